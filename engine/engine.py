@@ -1,0 +1,152 @@
+"""The engine step: schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_model, resolve_model_dir
+from engine.messages import RequestOutput
+from engine.model_runner import ModelRunner
+from engine.page_allocator import PageAllocator
+from engine.request import Request
+from engine.sampler import SampleResult
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.scheduler import Batch, Scheduler
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = load_model(self.model_dir, DTYPES[cfg.dtype], cfg.device)
+        mc = self.model_config = self.model.cfg
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        num_pages = cfg.num_pages or self._pages_for_budget(cfg.kv_cache_gb)
+        self.max_model_len = min(cfg.max_model_len or mc.max_position, num_pages * cfg.page_size)
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(
+            self.allocator, cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(self.model, num_pages, cfg.page_size, cfg.seed)
+        self._requests: dict[str, Request] = {}
+
+    def _pages_for_budget(self, gb: float) -> int:
+        mc = self.model_config
+        itemsize = torch.empty((), dtype=DTYPES[self.cfg.dtype]).element_size()
+        per_page = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize * self.cfg.page_size
+        return max(1, int(gb * 2**30) // per_page)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise `InvalidRequestError` for a request that must not enter the batch."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"request asks for {n} prompt tokens plus max_tokens={params.max_tokens}",
+                "max_tokens" if n < self.max_model_len else "prompt",
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenant: str = "default",
+    ) -> Request:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, tenant)
+        req.output_state = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "abort")
+        return self._output(req, [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        samples = self.runner.run(batch)
+        return self.postprocess(batch, samples)
+
+    def postprocess(self, batch: Batch, samples: list[SampleResult]) -> list[RequestOutput]:
+        sampling = [s.request for s in batch.seqs if s.samples]
+        self.scheduler.update(batch, {r: s.token_id for r, s in zip(sampling, samples, strict=True)})
+        outputs = []
+        for req, sample in zip(sampling, samples, strict=True):
+            reason = self._check_stop(req, sample.token_id)
+            if reason:
+                self._finish(req, reason)
+            lp = [sample.logprob] if sample.logprob is not None else None
+            outputs.append(self._output(req, [sample.token_id], lp))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if req.output_state.add(token) is not None:
+            return "stop"
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        self.runner.sampler.release(req.request_id)
+        self._requests.pop(req.request_id, None)
+
+    def _output(self, req: Request, new_ids: list[int], logprobs) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=req.output_state.take(final=req.finished),
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=req.num_output_tokens,
+            logprobs=logprobs,
+        )

@@ -1,0 +1,89 @@
+"""The offline API: `LLM(model=None).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.messages import TokenLogprob
+from engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Offline batched generation over the engine.
+
+    `model=None` loads the embedded SmolLM2-135M-Instruct; otherwise an HF folder or a .gguf
+    file. Extra keyword arguments are `EngineConfig` fields (max_num_seqs, num_pages, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """One result per prompt, in order. Prompts are strings or token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(plist)} params")
+        token_lists = [self._encode(p) for p in prompts]
+        for ids, p in zip(token_lists, plist, strict=True):
+            self.engine.validate(ids, p)  # refuse the whole call before anything runs
+
+        results: dict[str, CompletionOutput] = {}
+        order = []
+        for ids, p in zip(token_lists, plist, strict=True):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, ids, p)
+            results[rid] = CompletionOutput(rid, ids)
+            order.append(rid)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                r = results[out.request_id]
+                r.token_ids.extend(out.new_token_ids)
+                r.text += out.new_text
+                if out.logprobs:
+                    r.logprobs = (r.logprobs or []) + out.logprobs
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+                    r.num_cached_tokens = out.num_cached_tokens
+        return [results[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | None = None,
+    ) -> list[CompletionOutput]:
+        """Apply the model's chat template to one conversation (or a list of them)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+            for c in convs
+        ]
+        return self.generate([self._encode(p, special=False) for p in prompts], params)
+
+    def _encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=special)
+        return list(prompt)

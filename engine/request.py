@@ -1,0 +1,71 @@
+"""A request's state as it moves through the engine. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. `token_ids` is prompt + output so far.
+
+    The one scheduling rule: each step `num_computed_tokens` (tokens whose KV is in the cache)
+    catches up toward `len(token_ids)`. When it reaches it, the step samples a new token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str = "default"
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage reporting)
+    pages: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    num_preemptions: int = 0
+    # Per-request state owned by the output stage (detokenizer, logprobs); opaque here.
+    output_state: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority, then arrival (FCFS)."""
+        return (self.params.priority, self.arrival)

@@ -1,0 +1,94 @@
+"""Per-request generation knobs. Pure Python: the gateway builds these without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before it enters the batch.
+
+    `param` names the offending field (OpenAI's error `param`), so the gateway can answer a 400
+    that points at it.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. `temperature == 0` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus top-k
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    priority: int = 0  # lower runs first; FCFS within a priority
+    # Constraint spec (response_format-shaped dict) and adapter name; used by later stages.
+    response_format: dict[str, Any] | None = None
+    adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str, param: str) -> InvalidRequestError:
+            return InvalidRequestError(msg, param)
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise bad(f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
+        if self.max_tokens <= 0:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not self.temperature >= 0.0:  # also catches NaN
+            raise bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not (self.top_k == -1 or self.top_k >= 1):
+            raise bad(f"top_k must be -1 (off) or >= 1, got {self.top_k}", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not self.repetition_penalty > 0.0:
+            raise bad(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
+        if any(not s for s in self.stop):
+            raise bad("stop strings must be non-empty", "stop")
+        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise bad("logit_bias values must be in [-100, 100]", "logit_bias")
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -1,0 +1,156 @@
+"""Continuous batching with chunked prefill and recompute preemption. Pure Python, no torch.
+
+One rule covers prefill, chunked prefill and decode: each step a scheduled request's
+`num_computed_tokens` catches up toward `num_tokens` by at most the step's remaining token
+budget. A request whose KV catches up samples one token at the end of the step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.page_allocator import PageAllocator
+from engine.request import Request, Status
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # num_computed_tokens before this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so it samples."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class Batch:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    """FCFS within priority (lower `params.priority` first).
+
+    Contract: a running request owns `request.pages`, enough for its computed tokens plus this
+    step's; pages return to the allocator on `finish` or on preemption, never otherwise.
+    """
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []  # sorted by sort_key
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End `req` (stop, length, abort or error) and free its pages."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self._free_pages(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def requests(self) -> Iterable[Request]:
+        yield from self.running
+        yield from self.waiting
+
+    # -- the step -------------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.max_num_batched_tokens
+
+        # Running requests first, best first; preempt from the worst end when out of pages.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._reserve(req, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            else:
+                batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+
+        # Then admit waiting requests while the budget, the seat count and the pages allow.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, req.num_computed_tokens + n):
+                break
+            self.waiting.pop(0)
+            req.status = Status.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.sort_key)
+            batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+            budget -= n
+        return batch
+
+    def update(self, batch: Batch, sampled: dict[Request, int]) -> None:
+        """Advance every scheduled request; append the tokens sampled this step."""
+        for seq in batch.seqs:
+            seq.request.num_computed_tokens = seq.start + seq.num_new_tokens
+        for req, token in sampled.items():
+            req.token_ids.append(token)
+
+    # -- pages ----------------------------------------------------------------------------
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        req.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, req: Request, batch: Batch) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, requeue."""
+        self.running.remove(req)
+        self._free_pages(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(req)
+        self.add(req)
+
+    def _free_pages(self, req: Request) -> None:
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
