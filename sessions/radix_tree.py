@@ -145,7 +145,7 @@ class RadixTree:
         root = self._roots.setdefault(namespace, RadixNode((), [], None))
         node, pos, tree_pages = self._walk(root, key, pages_out=[])
         done = pos // self.page_size
-        duplicates = [c for c, t in zip(given, tree_pages, strict=True) if c != t]
+        duplicates = [c for c, t in zip(given[:done], tree_pages, strict=True) if c != t]
         rest = given[done:]
         if any(p in self._owner for p in duplicates + rest):
             raise ValueError("a page given to insert is already owned by the tree elsewhere")

@@ -1,0 +1,260 @@
+"""The engine loop in its own thread, fed from an asyncio event loop.
+
+The gateway never blocks on an engine step. It calls `add_request` / `abort` from its event
+loop; those only enqueue a command. The engine thread drains the commands before every step
+(so an abort frees the request's KV pages before the next step runs), steps while there is
+work, and hands each step's `RequestOutput`s back to the event loop, where they land in the
+asyncio queue (the "sink") registered for their request.
+
+This module imports no torch: the engine itself is built inside the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.messages import GenerateRequest, RequestOutput
+from engine.sampling_params import InvalidRequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+Sink = asyncio.Queue  # asyncio.Queue[RequestOutput], filled on the event loop only
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every loop iteration (read anywhere)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+LOAD_STAGES = ("locating weights", "loading model", "ready")
+
+
+class AsyncEngine:
+    """Owns an `LLMEngine` (or anything with its interface) and the thread that steps it.
+
+    Contract:
+      - `start(loop)` once; the engine is built in the thread. `ready` / `load_error` tell
+        how that went; `load_stage` names the current stage of `LOAD_STAGES`.
+      - `add_request(req, sink)` and `abort(request_id)` are called on `loop` only. Every
+        output for `req.request_id` is put into `sink`, the last with `finished=True`
+        (finish_reason "error" with `error` set when the engine failed the request).
+      - A failing request never stops the thread: an exception while adding a request fails
+        that request; one inside a step fails the requests of that step, and the loop goes on.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_factory: Callable[[EngineConfig], Any] | None = None,
+    ):
+        self.config = config
+        self._factory = engine_factory
+        self._engine: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._done_loading = threading.Event()
+        self._stopping = False
+        self.load_stage = LOAD_STAGES[0]
+        self.load_error: BaseException | None = None
+        self.stats = EngineStats()
+
+    # -- lifecycle (event loop side) ------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._thread is not None:
+            return
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.alive
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block (not on the event loop) until loading succeeded or failed."""
+        return self._done_loading.wait(timeout)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(_STOP)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- facts about the loaded engine (read-only after loading, so safe from any thread) --
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def model_dir(self) -> Any:
+        return self._engine.model_dir
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise `InvalidRequestError` now, before the request is queued. Reads only
+        immutable engine facts (vocab size, context length), so it is safe off-thread."""
+        self._engine.validate(prompt_token_ids, params)
+
+    # -- requests (event loop side) -------------------------------------------------------
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests added and not yet finished (queued, waiting or running)."""
+        return len(self._sinks)
+
+    def add_request(self, request: GenerateRequest, sink: Sink) -> None:
+        if request.request_id in self._sinks:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        self._sinks[request.request_id] = sink
+        self._inbox.put(request)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its pages are freed before the next engine step."""
+        if self._sinks.pop(request_id, None) is not None:
+            self._inbox.put(_Abort(request_id))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue  # aborted by the gateway: nobody listens any more
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink.put_nowait(out)
+
+    # -- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._engine = self._load()
+        except BaseException as e:  # noqa: BLE001 - reported through load_error
+            log.exception("engine failed to load")
+            self.load_error = e
+            self._done_loading.set()
+            return
+        self.load_stage = LOAD_STAGES[2]
+        self._publish_stats()
+        self._ready.set()
+        self._done_loading.set()
+        while not self._stopping:
+            try:
+                self._iterate()
+            except Exception:  # the loop itself must survive anything
+                log.exception("engine loop iteration failed")
+
+    def _load(self) -> Any:
+        if self._factory is not None:
+            self.load_stage = LOAD_STAGES[1]
+            return self._factory(self.config)
+        from engine.engine import LLMEngine
+        from engine.loader import resolve_model_dir
+
+        resolve_model_dir(self.config.model, self.config.cache_dir)  # converts a GGUF once
+        self.load_stage = LOAD_STAGES[1]
+        return LLMEngine(self.config)
+
+    def _iterate(self) -> None:
+        outputs = self._drain(block=not self._engine.has_unfinished_requests())
+        if self._engine.has_unfinished_requests() and not self._stopping:
+            outputs += self._step()
+        self._publish_stats()
+        if outputs:
+            self._send(outputs)
+
+    def _drain(self, block: bool) -> list[RequestOutput]:
+        """Apply queued commands; when idle, wait for the first one."""
+        outputs: list[RequestOutput] = []
+        while True:
+            try:
+                cmd = self._inbox.get() if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            block = False
+            if cmd is _STOP:
+                return outputs
+            if isinstance(cmd, _Abort):
+                out = self._engine.abort_request(cmd.request_id)
+                if out is not None:
+                    outputs.append(out)
+            else:
+                err = self._add(cmd)
+                if err is not None:
+                    outputs.append(err)
+
+    def _add(self, req: GenerateRequest) -> RequestOutput | None:
+        try:
+            self._engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.tenant)
+        except InvalidRequestError as e:
+            return _failed(req.request_id, e.message)
+        except Exception as e:
+            log.exception("adding request %s failed", req.request_id)
+            return _failed(req.request_id, f"{type(e).__name__}: {e}")
+        return None
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self._engine.step()
+        except Exception as e:
+            # We cannot tell which request of the batch broke the step: fail the running ones
+            # (this frees their pages) and keep serving the waiting ones.
+            log.exception("engine step failed; failing the running requests")
+            outputs = []
+            for req in list(self._engine.scheduler.running):
+                try:
+                    self._engine.abort_request(req.request_id)
+                except Exception:
+                    log.exception("could not abort %s", req.request_id)
+                outputs.append(_failed(req.request_id, f"engine step failed: {e}"))
+            return outputs
+
+    def _publish_stats(self) -> None:
+        e = self._engine
+        self.stats = EngineStats(
+            num_running=e.num_running,
+            num_waiting=e.num_waiting,
+            kv_pages_used=e.allocator.num_used,
+            kv_pages_total=e.allocator.num_pages,
+        )
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)  # type: ignore[union-attr]
+        except RuntimeError:  # the event loop is closed: we are shutting down
+            self._stopping = True
+
+
+def _failed(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="error",
+        error=message,
+    )

@@ -1,0 +1,162 @@
+"""The FastAPI app: OpenAI routes, health, readiness and metrics.
+
+One request, end to end: auth (tenant) -> body (size, JSON, schema) -> model -> extension
+points -> plan (prompt ids + SamplingParams per choice, validated by the engine) ->
+admission (queue bound, tenant limits) -> engine -> JSON body or SSE stream.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from engine.async_engine import AsyncEngine
+from gateway.config import ServeConfig
+from gateway.errors import APIError, bad_request, from_validation, install_error_handlers, too_large
+from gateway.generation import Generation
+from gateway.limits import check_capacity
+from gateway.metrics import RequestCounter
+from gateway.params import (
+    plan_chat,
+    plan_completion,
+    resolve_adapter,
+    resolve_constraint,
+    resolve_session,
+)
+from gateway.responses import ChatFormat, CompletionFormat
+from gateway.runtime import Runtime
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.sse import SSEResponse, stream_events
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAPI:
+    """The app serving `config`. The engine starts loading when the app starts (lifespan)."""
+    rt = Runtime(config, engine)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await rt.start()
+        yield
+        await rt.stop()
+
+    app = FastAPI(title="Switchboard", version="0.1.0", lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
+    app.state.runtime = rt
+    install_error_handlers(app)
+    app.add_middleware(RequestCounter, metrics=rt.metrics)
+
+    def authenticate(authorization: str | None = Header(None)) -> str:
+        return rt.auth.tenant_for(authorization)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> dict[str, str]:
+        rt.require_ready()
+        return {"status": "ready", "model": config.model_name}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = rt.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models(_: str = Depends(authenticate)) -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(config)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+        resolve_adapter(model, config.model_name, tenant)
+        return _model_card(config)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, tenant: str = Depends(authenticate)) -> Response:
+        body = await read_body(request, ChatCompletionRequest, config.max_request_bytes)
+        return await _generate(request, tenant, body, "chatcmpl")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, tenant: str = Depends(authenticate)) -> Response:
+        body = await read_body(request, CompletionRequest, config.max_request_bytes)
+        return await _generate(request, tenant, body, "cmpl")
+
+    async def _generate(
+        request: Request, tenant: str, body: ChatCompletionRequest | CompletionRequest,
+        prefix: str,
+    ) -> Response:
+        adapter = resolve_adapter(body.model, config.model_name, tenant)
+        resolve_constraint(body)
+        resolve_session(body, tenant)
+        tok, facts = rt.require_ready()
+        if isinstance(body, ChatCompletionRequest):
+            jobs = plan_chat(body, tok, facts, adapter)
+        else:
+            jobs = plan_completion(body, tok, facts, adapter)
+        check_capacity(rt.engine.num_outstanding, len(jobs), config.max_num_seqs,
+                       config.max_queue)
+        ticket = rt.limiter.admit(tenant)
+        gen = Generation(rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket,
+                         rt.metrics)
+        try:
+            gen.submit()
+        except Exception:
+            gen.close()
+            raise
+        fmt: ChatFormat | CompletionFormat
+        if isinstance(body, ChatCompletionRequest):
+            fmt = ChatFormat(gen, config.model_name, tok, body.include_usage)
+        else:
+            fmt = CompletionFormat(gen, config.model_name, tok, body.include_usage, body.echo)
+        if body.stream:
+            return SSEResponse(stream_events(gen, fmt, body.include_usage))
+        return await _collect(gen, fmt, request.is_disconnected)
+
+    return app
+
+
+async def _collect(
+    gen: Generation, fmt: ChatFormat | CompletionFormat, disconnected: Callable[..., Any]
+) -> Response:
+    try:
+        async for _ in gen.outputs(disconnected):
+            pass
+    finally:
+        gen.close()
+    failed = [c for c in gen.ordered if c.finish_reason == "error"]
+    if failed:
+        raise APIError(500, f"generation failed: {failed[0].error or 'engine error'}",
+                       "server_error", code="engine_error")
+    return JSONResponse(fmt.body())
+
+
+async def read_body(request: Request, schema: type[Body], limit: int) -> Body:
+    """The body, at most `limit` bytes, parsed and validated strictly as `schema`."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("The request body is empty; expected a JSON object.")
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as e:
+        raise from_validation(e.errors()) from None
+
+
+def _model_card(config: ServeConfig) -> dict[str, Any]:
+    return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "switchboard"}

@@ -1,0 +1,123 @@
+"""`switchboard serve`: flags and/or a TOML file -> one `ServeConfig` -> the HTTP server.
+
+The server listens at once (/health answers, /ready says 503) while the model loads behind a
+progress bar; then it prints the URL and a ready-to-paste curl line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+from gateway.config import ConfigError, ServeConfig, build_config
+
+# (flag, type, help); each flag's dest is a ServeConfig field.
+FLAGS: list[tuple[str, type, str]] = [
+    ("--model", str, "HF checkpoint folder or .gguf file (default: embedded SmolLM2)"),
+    ("--served-model-name", str, "the name clients pass as `model` (default: from --model)"),
+    ("--host", str, "interface to bind (default 127.0.0.1)"),
+    ("--port", int, "port to bind, 0 for any free port (default 8000)"),
+    ("--api-keys", str, "JSON file mapping API keys to tenants (default: auth off)"),
+    ("--max-num-seqs", int, "most sequences in the running batch"),
+    ("--max-num-batched-tokens", int, "token budget per engine step"),
+    ("--kv-pages", int, "KV cache pages (default: sized from --kv-cache-gb)"),
+    ("--page-size", int, "tokens per KV page"),
+    ("--kv-cache-gb", float, "KV cache budget when --kv-pages is not given"),
+    ("--max-model-len", int, "context length cap"),
+    ("--dtype", str, "float32 | bfloat16 | float16"),
+    ("--device", str, "cpu | cuda"),
+    ("--seed", int, "engine seed for unseeded sampling"),
+    ("--max-queue", int, "sequences that may wait beyond a full batch before 429s"),
+    ("--max-request-bytes", int, "largest accepted request body"),
+    ("--default-max-tokens", int, "cap on max_tokens when a request leaves it out"),
+    ("--log-level", str, "critical | error | warning | info | debug"),
+]
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--config", default=None, help="TOML file with any of these settings")
+    for flag, type_, help_ in FLAGS:
+        p.add_argument(flag, type=type_, default=None, help=help_)
+    p.set_defaults(func=serve)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+                 for flag, _, _ in FLAGS}
+    return build_config(args.config, **overrides)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from gateway.app import create_app
+    from gateway.server import ServerThread
+
+    console = Console(stderr=True)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
+    app = create_app(cfg)
+    server = ServerThread(app, cfg.host, cfg.port, cfg.log_level)
+    try:
+        server.start()
+    except RuntimeError as e:
+        console.print(f"[red]error:[/red] {e} (port {cfg.port} in use?)", highlight=False)
+        return 1
+    signal.signal(signal.SIGTERM, _interrupt)  # stop gracefully on SIGTERM as on Ctrl-C
+    try:
+        runtime = app.state.runtime
+        _show_loading(console, runtime)
+        if runtime.load_error is not None:
+            console.print(f"[red]error:[/red] {runtime.load_error}", highlight=False)
+            return 1
+        _print_banner(cfg, server.url)
+        while server.alive():
+            server.thread.join(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _show_loading(console, runtime) -> None:  # noqa: ANN001 - rich / Runtime, imported late
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from gateway.runtime import STAGES
+
+    columns = (SpinnerColumn(), TextColumn("{task.description:<20}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(STAGES[0], total=len(STAGES) - 1)
+        while not runtime.loaded.wait(0.1):
+            stage = runtime.stage
+            progress.update(task, description=stage, completed=STAGES.index(stage))
+        if runtime.load_error is None:
+            progress.update(task, description="ready", completed=len(STAGES) - 1)
+
+
+def _print_banner(cfg: ServeConfig, url: str) -> None:
+    body = {"model": cfg.model_name, "messages": [{"role": "user", "content": "Say hello!"}],
+            "max_tokens": 32}
+    auth = ' -H "Authorization: Bearer YOUR_API_KEY"' if cfg.api_keys else ""
+    print(f"Switchboard is serving {cfg.model_name} at {url}  (OpenAI base URL: {url}/v1)")
+    print("Try it:")
+    print(f"curl {url}/v1/chat/completions -H \"Content-Type: application/json\"{auth} "
+          f"-d '{json.dumps(body)}'", flush=True)
+
+
+if __name__ == "__main__":  # `python -m gateway.cli` == `switchboard serve`
+    parser = argparse.ArgumentParser(prog="switchboard")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["serve", *sys.argv[1:]])
+    sys.exit(ns.func(ns))

@@ -1,0 +1,91 @@
+"""Prometheus metrics, in a registry per app (no module-global state).
+
+Engine-side gauges (queue depth, running batch, KV pages) are read from the engine thread's
+latest `EngineStats` snapshot at scrape time. Latencies are measured on the gateway side:
+time to first token from arrival; time per output token between first and last token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.async_engine import EngineStats
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], EngineStats], queue_depth: Callable[[], int]):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "switchboard_requests", "HTTP requests by endpoint and status code",
+            ["endpoint", "status"], registry=r,
+        )
+        self.finished = Counter(
+            "switchboard_sequences_finished", "Finished sequences (choices) by finish reason",
+            ["finish_reason"], registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "switchboard_prompt_tokens", "Prompt tokens submitted", ["tenant"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "switchboard_generation_tokens", "Tokens generated", ["tenant"], registry=r
+        )
+        self.ttft = Histogram(
+            "switchboard_time_to_first_token_seconds", "Time from arrival to the first token",
+            buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.tpot = Histogram(
+            "switchboard_time_per_output_token_seconds", "Mean time between output tokens",
+            buckets=TPOT_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "switchboard_e2e_request_latency_seconds", "Time from arrival to the last token",
+            buckets=E2E_BUCKETS, registry=r,
+        )
+        gauges = {
+            "switchboard_queue_depth": ("Sequences waiting for a batch seat", queue_depth),
+            "switchboard_running_batch_size": (
+                "Sequences in the running batch", lambda: stats().num_running),
+            "switchboard_kv_pages_used": ("KV cache pages in use", lambda: stats().kv_pages_used),
+            "switchboard_kv_pages_total": ("KV cache pages in all", lambda: stats().kv_pages_total),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(fn)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestCounter:
+    """ASGI middleware: counts every response on the API routes by its status code."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        endpoint = path if path in ENDPOINTS else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,168 @@
+"""OpenAI request -> engine jobs: prompt token ids and one `SamplingParams` per choice.
+
+The extension points for later issues live here, each one function the request passes
+through: `resolve_adapter` (adapters as `model`), `resolve_constraint` (`response_format`,
+`tools`: structured output) and `resolve_session` (`session_id`). Today they accept the
+plain cases and refuse what is not built yet with a clear 400, never silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from gateway.errors import bad_request, model_not_found
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.tokenizer import GatewayTokenizer
+
+
+@dataclass(frozen=True)
+class Job:
+    """One engine request: choice `index` of the response."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the planner needs from the engine and the config."""
+
+    max_model_len: int
+    validate: Callable[[list[int], SamplingParams], None]  # raises InvalidRequestError
+    default_max_tokens: int | None = None
+
+
+# -- extension points -------------------------------------------------------------------
+
+
+def resolve_adapter(requested: str, served: str, tenant: str) -> str | None:
+    """The adapter `model` names (None: the base model). Adapters come with the LoRA issue;
+    until then only the served base model exists."""
+    if requested != served:
+        raise model_not_found(requested)
+    return None
+
+
+def resolve_constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
+    """The structured-output constraint of the request (None: free text)."""
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request(
+            f"response_format type {fmt.get('type')!r} is not supported yet", "response_format"
+        )
+    if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice != "none":
+        raise bad_request("tools are not supported yet", "tools")
+    return None
+
+
+def resolve_session(body: ChatCompletionRequest | CompletionRequest, tenant: str) -> None:
+    """Stateful sessions come with the sessions issue; `session_id` is accepted and has no
+    effect until then (a session only changes speed, never the output)."""
+    return None
+
+
+# -- planning ---------------------------------------------------------------------------
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    out = []
+    for m in body.messages:
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": m.text()})
+    return out
+
+
+def plan_chat(
+    body: ChatCompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
+) -> list[Job]:
+    prompt = tok.chat_prompt(chat_messages(body))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _jobs([prompt], body, logprobs, tok, facts, adapter, prompt_param="messages")
+
+
+def plan_completion(
+    body: CompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
+) -> list[Job]:
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if body.best_of not in (None, 1, body.n):
+        raise bad_request("best_of other than n is not supported", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported", "echo")
+    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
+    return _jobs(prompts, body, body.logprobs, tok, facts, adapter, prompt_param="prompt")
+
+
+def _jobs(
+    prompts: list[list[int]],
+    body: ChatCompletionRequest | CompletionRequest,
+    logprobs: int | None,
+    tok: GatewayTokenizer,
+    facts: EngineFacts,
+    adapter: str | None,
+    prompt_param: str,
+) -> list[Job]:
+    bias = _logit_bias(body.logit_bias, tok.vocab_size)
+    jobs = []
+    for p, ids in enumerate(prompts):
+        for j in range(body.n):
+            try:
+                params = _params(body, len(ids), logprobs, bias, facts, adapter, j)
+                facts.validate(ids, params)
+            except InvalidRequestError as e:
+                param = prompt_param if e.param == "prompt" else e.param
+                raise bad_request(e.message, param) from None
+            jobs.append(Job(p * body.n + j, p, ids, params))
+    return jobs
+
+
+def _params(
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_len: int,
+    logprobs: int | None,
+    bias: dict[int, float],
+    facts: EngineFacts,
+    adapter: str | None,
+    choice: int,
+) -> SamplingParams:
+    max_tokens = body.output_limit
+    if max_tokens is None:  # what is left of the context, capped by the config
+        max_tokens = max(1, facts.max_model_len - prompt_len)
+        if facts.default_max_tokens is not None:
+            max_tokens = min(max_tokens, facts.default_max_tokens)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=-1 if body.top_k in (None, 0) else body.top_k,
+        min_p=body.min_p or 0.0,
+        # n > 1 with a seed: distinct but reproducible choices.
+        seed=None if body.seed is None else body.seed + choice,
+        stop=body.stop_list,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        logit_bias=bias,
+        adapter=adapter,
+    )
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias token id {token} is out of range", "logit_bias")
+        out[token] = value
+    return out

@@ -1,0 +1,92 @@
+"""The gateway's runtime state, built once per app: config, engine, auth, limits, metrics,
+and (once the model is loaded) the tokenizer and engine facts the routes need."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from engine.async_engine import LOAD_STAGES, AsyncEngine
+from gateway.auth import Authenticator
+from gateway.config import ServeConfig
+from gateway.errors import APIError, not_ready
+from gateway.limits import TenantLimiter
+from gateway.metrics import Metrics
+from gateway.params import EngineFacts
+from gateway.tokenizer import GatewayTokenizer
+
+log = logging.getLogger(__name__)
+
+STAGES = (*LOAD_STAGES[:-1], "loading tokenizer", "ready")
+
+
+class Runtime:
+    def __init__(self, config: ServeConfig, engine: AsyncEngine | None = None):
+        self.config = config
+        self.engine = engine or AsyncEngine(config.engine_config())
+        self.auth = Authenticator(config.api_keys)
+        self.limiter = TenantLimiter(config.limits_for)
+        self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth)
+        self.tokenizer: GatewayTokenizer | None = None
+        self.facts: EngineFacts | None = None
+        self.load_error: BaseException | None = None
+        self.loaded = threading.Event()  # set once ready or failed (for the CLI's progress)
+        self._loader: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start loading in the background; the server answers /health at once and /ready
+        (and the API) once the model is loaded."""
+        self.engine.start(asyncio.get_running_loop())
+        self._loader = asyncio.create_task(self._finish_loading())
+
+    async def stop(self) -> None:
+        if self._loader is not None:
+            self._loader.cancel()
+        await asyncio.to_thread(self.engine.shutdown)
+
+    async def _finish_loading(self) -> None:
+        try:
+            await asyncio.to_thread(self.engine.wait_loaded)
+            if self.engine.load_error is not None:
+                raise self.engine.load_error
+            self.tokenizer = await asyncio.to_thread(GatewayTokenizer.load, self.engine.model_dir)
+            self.facts = EngineFacts(
+                max_model_len=self.engine.max_model_len,
+                validate=self.engine.validate,
+                default_max_tokens=self.config.default_max_tokens,
+            )
+        except Exception as e:
+            log.error("model failed to load: %s", e)
+            self.load_error = e
+        finally:
+            self.loaded.set()
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.facts is not None and self.engine.ready
+
+    @property
+    def stage(self) -> str:
+        """One of `STAGES`, for progress display."""
+        if self.ready:
+            return STAGES[-1]
+        if self.engine.ready:
+            return "loading tokenizer"
+        return self.engine.load_stage
+
+    def require_ready(self) -> tuple[GatewayTokenizer, EngineFacts]:
+        if self.load_error is not None:
+            raise APIError(503, f"The model failed to load: {self.load_error}", "server_error",
+                           code="model_load_failed")
+        if not self.ready or self.tokenizer is None or self.facts is None:
+            raise not_ready()
+        return self.tokenizer, self.facts
+
+    def queue_depth(self) -> int:
+        """Sequences submitted and not yet in the running batch."""
+        return max(0, self.engine.num_outstanding - self.engine.stats.num_running)

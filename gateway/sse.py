@@ -1,0 +1,64 @@
+"""Server-sent events in OpenAI's streaming shape: `data: {chunk}` lines, then `data: [DONE]`.
+
+A client that disconnects ends the stream: Starlette cancels the body iterator (or its next
+send fails); either way the iterator is closed and its `finally` aborts the generation, so the
+engine frees the request's pages before its next step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+from engine.messages import RequestOutput
+from gateway.errors import error_body
+from gateway.generation import Choice, Generation
+
+DONE = "data: [DONE]\n\n"
+
+
+class StreamFormat(Protocol):
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]: ...
+    def usage_chunk(self) -> dict[str, Any]: ...
+
+
+def event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def stream_events(
+    gen: Generation, fmt: StreamFormat, include_usage: bool
+) -> AsyncIterator[str]:
+    try:
+        async for choice, out in gen.outputs():
+            if choice.finish_reason == "error":
+                msg = f"generation failed: {choice.error or 'engine error'}"
+                yield event(error_body(msg, "server_error", None, "engine_error"))
+                continue
+            for chunk in fmt.chunks(choice, out):
+                yield event(chunk)
+        if include_usage:
+            yield event(fmt.usage_chunk())
+        yield DONE
+    finally:
+        gen.close()
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response whose body iterator is always closed, however the stream ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]

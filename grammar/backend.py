@@ -1,0 +1,103 @@
+"""The one small interface over grammar backends (xgrammar, outlines-core).
+
+A backend turns a `ConstraintSpec` into a picklable artifact inside a compile worker
+(`compile`), and turns that artifact back into a matcher factory in the engine (`load`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grammar.spec import ConstraintSpec
+from grammar.vocab import TokenVocab
+
+
+class BackendError(Exception):
+    """A backend cannot compile a spec (unsupported feature, syntax error...)."""
+
+
+class Matcher(ABC):
+    """Per-request grammar state. Not thread-safe; one per request."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]`.
+
+        Args:
+            bitmask: [batch, ceil(vocab_size / 32)] int32 on CPU; bit `i % 32` of word
+                `i // 32` is set iff token `i` is allowed (xgrammar's layout).
+            row: the row of `bitmask` to fill; other rows are untouched.
+        """
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar forbids it."""
+
+    @abstractmethod
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens (e.g. rejected speculative tokens)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted: the output is complete."""
+
+    @abstractmethod
+    def forced_continuation(self) -> str:
+        """The text the grammar forces next (jump-forward), or "" if none or unsupported.
+
+        The text is not accepted yet: the caller tokenizes it canonically at the current
+        boundary and feeds the tokens through `accept`.
+        """
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled constraint, shared (cached) across requests; make one matcher each."""
+
+    spec: ConstraintSpec
+    backend: str  # the backend that compiled it
+    compile_ms: float
+    _factory: Callable[[], Matcher]
+
+    def matcher(self) -> Matcher:
+        """A fresh matcher at the grammar's start state."""
+        return self._factory()
+
+
+class Backend(ABC):
+    """One grammar library, bound to one vocabulary."""
+
+    name: str
+
+    @abstractmethod
+    def __init__(self, vocab: TokenVocab): ...
+
+    @abstractmethod
+    def compile(self, spec: ConstraintSpec) -> Any:
+        """Compile `spec` into a picklable artifact. Runs in a compile worker; raises
+        BackendError (or anything) when the spec is unsupported."""
+
+    @abstractmethod
+    def load(self, artifact: Any) -> Callable[[], Matcher]:
+        """Rebuild a compiled grammar from its artifact; return its matcher factory."""
+
+
+def make_backend(name: str, vocab: TokenVocab) -> Backend:
+    """The backend called `name` ("xgrammar" or "outlines")."""
+    if name == "xgrammar":
+        from grammar.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(vocab)
+    if name == "outlines":
+        from grammar.outlines_backend import OutlinesBackend
+
+        return OutlinesBackend(vocab)
+    raise ValueError(f"unknown grammar backend {name!r}; expected one of {BACKEND_NAMES}")
+
+
+BACKEND_NAMES = ("xgrammar", "outlines")  # the default fallback order

@@ -1,0 +1,230 @@
+"""Constraint specs: OpenAI `response_format` and vLLM `structured_outputs` -> `ConstraintSpec`.
+
+Pure Python (no torch): the gateway parses and validates specs at the edge, so a malformed one
+is a 400 before the request reaches the engine. Compilation happens later, in `compiler.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jsonschema
+import referencing
+import referencing.exceptions
+from referencing.jsonschema import DRAFT202012
+
+ConstraintKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
+
+MAX_SPEC_BYTES = 4 << 20  # a schema, regex or grammar larger than this is refused at once
+
+# vLLM `structured_outputs` options that tune a backend; accepted and ignored.
+_VLLM_OPTIONS = {
+    "disable_fallback",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "whitespace_pattern",
+    "backend",
+}
+
+
+# Keywords whose values are instances, not subschemas: a "$ref" inside them is data.
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be parsed or compiled; the gateway answers a 400.
+
+    `param` names the offending request field in OpenAI's dotted form, e.g.
+    `response_format.json_schema.schema`.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """One validated constraint.
+
+    `payload` by kind: json_schema -> the schema as compact JSON text (key order kept, since
+    it fixes the order properties are generated in); regex / grammar -> the pattern or
+    EBNF/GBNF text; choice -> the tuple of allowed strings; json_object -> None.
+    """
+
+    kind: ConstraintKind
+    payload: str | tuple[str, ...] | None = None
+    name: str | None = field(default=None, compare=False)  # json_schema name, for messages
+    param: str | None = field(default=None, compare=False)  # the request field it came from
+
+    @property
+    def key(self) -> str:
+        """A stable hash of what compilation depends on (kind and payload)."""
+        text = json.dumps([self.kind, self.payload], ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def schema(self) -> dict[str, Any] | bool:
+        """The JSON schema to enforce; json_object means any JSON object."""
+        if self.kind == "json_object":
+            return {"type": "object"}
+        if self.kind != "json_schema":
+            raise ValueError(f"a {self.kind} constraint has no JSON schema")
+        assert isinstance(self.payload, str)
+        return json.loads(self.payload)
+
+
+def parse_constraint(
+    response_format: dict[str, Any] | None = None,
+    structured_outputs: dict[str, Any] | None = None,
+) -> ConstraintSpec | None:
+    """Parse a request's constraint fields; None when the request is unconstrained.
+
+    Raises GrammarError when a field is malformed or both fields carry a constraint.
+    """
+    rf = parse_response_format(response_format) if response_format is not None else None
+    so = parse_structured_outputs(structured_outputs) if structured_outputs is not None else None
+    if rf is not None and so is not None:
+        raise GrammarError(
+            "give a constraint in response_format or structured_outputs, not both",
+            "structured_outputs",
+        )
+    return rf or so
+
+
+def parse_response_format(rf: Any) -> ConstraintSpec | None:
+    """Parse OpenAI's `response_format` (plus the regex/grammar/choice extensions).
+
+    `{"type": "text"}` means unconstrained and returns None.
+    """
+    p = "response_format"
+    if not isinstance(rf, dict):
+        raise GrammarError(f"{p} must be an object, got {type(rf).__name__}", p)
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("json_object", param=p)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise GrammarError(f"{p}.json_schema must be an object", f"{p}.json_schema")
+        name = js.get("name")
+        if name is not None and not isinstance(name, str):
+            raise GrammarError(f"{p}.json_schema.name must be a string", f"{p}.json_schema.name")
+        if "schema" not in js:
+            raise GrammarError(f"{p}.json_schema.schema is required", f"{p}.json_schema.schema")
+        return _json_schema_spec(js["schema"], f"{p}.json_schema.schema", name)
+    if kind == "regex":
+        return ConstraintSpec("regex", _text(rf.get("regex"), f"{p}.regex"), param=f"{p}.regex")
+    if kind == "grammar":
+        text = _text(rf.get("grammar"), f"{p}.grammar")
+        return ConstraintSpec("grammar", text, param=f"{p}.grammar")
+    if kind == "choice":
+        choices = _choices(rf.get("choices"), f"{p}.choices")
+        return ConstraintSpec("choice", choices, param=f"{p}.choices")
+    expected = "text, json_object, json_schema, regex, grammar, choice"
+    raise GrammarError(f"{p}.type must be one of {expected}; got {kind!r}", f"{p}.type")
+
+
+def parse_structured_outputs(so: Any) -> ConstraintSpec | None:
+    """Parse vLLM's `structured_outputs` extra field: exactly one of json / regex / choice /
+    grammar / json_object."""
+    p = "structured_outputs"
+    if not isinstance(so, dict):
+        raise GrammarError(f"{p} must be an object, got {type(so).__name__}", p)
+    if "structural_tag" in so:
+        raise GrammarError(f"{p}.structural_tag is not supported", f"{p}.structural_tag")
+    order = ("json", "regex", "choice", "grammar", "json_object")
+    unknown = set(so) - set(order) - _VLLM_OPTIONS
+    if unknown:
+        raise GrammarError(f"{p} has unknown fields: {sorted(unknown)}", p)
+    given = [k for k in order if so.get(k) not in (None, False)]  # `{}` is a valid schema
+    if len(given) != 1:
+        raise GrammarError(
+            f"{p} needs exactly one of json, regex, choice, grammar, json_object; got {given}", p
+        )
+    k = given[0]
+    value, param = so[k], f"{p}.{k}"
+    if k == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"{param} is not valid JSON: {e}", param) from e
+        return _json_schema_spec(value, param, None)
+    if k == "json_object":
+        return ConstraintSpec("json_object", param=param)
+    if k == "choice":
+        return ConstraintSpec("choice", _choices(value, param), param=param)
+    return ConstraintSpec(k, _text(value, param), param=param)  # regex or grammar
+
+
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise GrammarError(f"{param} must be a non-empty string", param)
+    if len(value.encode()) > MAX_SPEC_BYTES:
+        raise GrammarError(f"{param} is over the {MAX_SPEC_BYTES} byte limit", param)
+    return value
+
+
+def _choices(value: Any, param: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value:
+        raise GrammarError(f"{param} must be a non-empty list of strings", param)
+    if not all(isinstance(c, str) for c in value):
+        raise GrammarError(f"{param} must contain only strings", param)
+    if sum(len(c.encode()) for c in value) > MAX_SPEC_BYTES:
+        raise GrammarError(f"{param} is over the {MAX_SPEC_BYTES} byte limit", param)
+    return tuple(value)
+
+
+def _json_schema_spec(schema: Any, param: str, name: str | None) -> ConstraintSpec:
+    if schema is False:
+        raise GrammarError(f"{param} is `false`: no value can satisfy it", param)
+    if not isinstance(schema, dict | bool):
+        raise GrammarError(f"{param} must be an object, got {type(schema).__name__}", param)
+    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    if len(text.encode()) > MAX_SPEC_BYTES:
+        raise GrammarError(f"{param} is over the {MAX_SPEC_BYTES} byte limit", param)
+    check_json_schema(schema, param)
+    return ConstraintSpec("json_schema", text, name, param)
+
+
+def check_json_schema(schema: dict[str, Any] | bool, param: str) -> None:
+    """Check `schema` against its metaschema and that its local `$ref`s resolve."""
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(x) for x in e.absolute_path) or "(root)"
+        raise GrammarError(f"invalid JSON schema at {where}: {e.message}", param) from e
+    if isinstance(schema, bool):
+        return
+    resource = referencing.Resource.from_contents(schema, default_specification=DRAFT202012)
+    resolver = referencing.Registry().with_resource("", resource).resolver()
+    for ref in _local_refs(schema):
+        try:
+            resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable as e:
+            raise GrammarError(f"$ref {ref!r} does not resolve", param) from e
+
+
+def _local_refs(node: Any) -> set[str]:
+    """The `#...` references in `node`, skipping subtrees that set their own `$id`."""
+    refs: set[str] = set()
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            if x is not node and isinstance(x.get("$id"), str):
+                continue  # a new base URI: its refs resolve against that resource
+            ref = x.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                refs.add(ref)
+            stack.extend(v for k, v in x.items() if k not in _DATA_KEYWORDS)
+    return refs

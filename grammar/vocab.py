@@ -1,0 +1,57 @@
+"""The model's vocabulary as the grammar backends see it: one byte string per token id."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TokenVocab:
+    """Token id -> the bytes it decodes to, for every row of the model's embedding.
+
+    `tokens[i] == b""` marks a token no grammar may emit: special/control tokens and the
+    padding rows past `len(tokenizer)`. Stop tokens keep their text but are allowed only where
+    the grammar may end. Plain data, so it pickles cheaply into compile workers.
+    """
+
+    tokens: tuple[bytes, ...]  # (vocab_size,)
+    stop_token_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Identity of the tokenizer for cache keys: a hash of every token and the stops."""
+        h = hashlib.sha256(repr(self.stop_token_ids).encode())
+        for t in self.tokens:
+            h.update(len(t).to_bytes(4, "little"))
+            h.update(t)
+        return h.hexdigest()
+
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None
+    ) -> TokenVocab:
+        """Build from a HF tokenizer; `vocab_size` is the model's embedding rows (>= its
+        length). Stop tokens default to the tokenizer's EOS."""
+        import xgrammar as xgr  # decodes byte-level, byte-fallback and SentencePiece vocabs
+
+        if vocab_size < len(tokenizer):
+            raise ValueError(f"vocab_size {vocab_size} < len(tokenizer) {len(tokenizer)}")
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        if stop_token_ids is None:
+            eos = tokenizer.eos_token_id
+            stop_token_ids = [eos] if eos is not None else list(info.stop_token_ids)
+        if not stop_token_ids:
+            raise ValueError("the tokenizer has no EOS token; pass stop_token_ids")
+        special = set(tokenizer.all_special_ids)
+        special |= {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        special -= set(stop_token_ids)
+        tokens = [b"" if i in special else t for i, t in enumerate(info.decoded_vocab)]
+        tokens += [b""] * (vocab_size - len(tokens))
+        return cls(tuple(tokens[:vocab_size]), tuple(stop_token_ids))

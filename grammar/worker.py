@@ -1,0 +1,149 @@
+"""A compile worker: one subprocess that compiles untrusted specs under a memory cap.
+
+Native compilers ignore Python-level timeouts and can grow without bound on a hostile schema,
+so compilation never runs in the engine's process. The child caps its own address space
+(RLIMIT_AS); the parent caps wall time by killing it. Either way the parent gets a
+BackendError, and the next compile starts a fresh child.
+
+The child is a plain `python -m grammar.worker` (not multiprocessing's spawn, which re-imports
+the user's `__main__`), talking pickles over a socketpair.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from grammar.backend import BACKEND_NAMES, Backend, BackendError, make_backend
+from grammar.spec import ConstraintSpec
+from grammar.vocab import TokenVocab
+
+START_TIMEOUT_S = 120.0  # importing torch + xgrammar in a fresh child, on a busy machine
+
+
+class CompileWorker:
+    """The parent's handle on one compile subprocess. Not thread-safe: one caller at a time."""
+
+    def __init__(self, vocab: TokenVocab, memory_limit_mb: int | None):
+        self._vocab = vocab
+        self._memory_limit_mb = memory_limit_mb
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._ready = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        """Launch the child without waiting for it to finish importing."""
+        ours, theirs = socket.socketpair()
+        root = str(Path(__file__).resolve().parent.parent)  # so `-m grammar.worker` resolves
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        limit = str(self._memory_limit_mb or 0)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "grammar.worker", str(theirs.fileno()), limit],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=path),
+        )
+        theirs.close()
+        self._conn, self._ready = Connection(ours.detach()), False
+        self._conn.send(self._vocab)
+
+    def compile(self, backend: str, spec: ConstraintSpec, timeout_s: float) -> tuple[Any, float]:
+        """Compile `spec` with `backend` in the child; return (artifact, compile_ms).
+
+        Raises BackendError on a compile error, after `timeout_s` of wall time, or when the
+        child dies (e.g. over its memory cap); the child is then replaced on next use.
+        """
+        if self._proc is None or self._proc.poll() is not None:
+            self.stop()
+            self.start()
+        assert self._conn is not None
+        if not self._ready:
+            if not self._conn.poll(START_TIMEOUT_S):
+                self.stop()
+                raise BackendError(f"the compile worker did not start in {START_TIMEOUT_S:.0f}s")
+            self._receive()
+            self._ready = True
+        self._conn.send((backend, spec))
+        if not self._conn.poll(timeout_s):
+            self.stop()
+            raise BackendError(f"compilation took over the {timeout_s:g}s limit")
+        status, value, ms = self._receive()
+        if status == "oom":
+            self.stop()
+        if status != "ok":
+            raise BackendError(value)
+        return value, ms
+
+    def stop(self) -> None:
+        """Kill the child (if any) and forget it."""
+        if self._conn is not None:
+            self._conn.close()
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc, self._conn, self._ready = None, None, False
+
+    def _receive(self) -> tuple[str, Any, float]:
+        assert self._conn is not None and self._proc is not None
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            try:
+                code = self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
+            self.stop()
+            cap = f"{self._memory_limit_mb} MiB" if self._memory_limit_mb else "no"
+            raise BackendError(
+                f"the compile worker died (exit code {code}; {cap} memory cap)"
+            ) from None
+
+
+def serve(conn: Connection, memory_limit_mb: int) -> None:
+    """The child: serve (backend, spec) requests on `conn` until the parent closes it."""
+    vocab: TokenVocab = conn.recv()
+    backends: dict[str, Backend] = {name: make_backend(name, vocab) for name in BACKEND_NAMES}
+    if memory_limit_mb:  # cap what compiling may add on top of the imports
+        limit = _address_space_bytes() + (memory_limit_mb << 20)
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    conn.send(("ready", None, 0.0))
+    while True:
+        try:
+            name, spec = conn.recv()
+        except (EOFError, OSError):
+            return
+        t0 = time.perf_counter()
+        try:
+            artifact = backends[name].compile(spec)
+            conn.send(("ok", artifact, (time.perf_counter() - t0) * 1e3))
+        except MemoryError:
+            conn.send(("oom", f"compilation went over the {memory_limit_mb} MiB memory cap", 0.0))
+            return  # the heap may be in a bad state; the parent starts a fresh child
+        except Exception as e:  # a backend's own errors have many types
+            conn.send(("error", str(e).splitlines()[0] if str(e) else type(e).__name__, 0.0))
+
+
+def _address_space_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    serve(Connection(int(sys.argv[1])), int(sys.argv[2]))

@@ -1,0 +1,171 @@
+"""Load a PEFT LoRA adapter folder, validated against the base model.
+
+A folder is `adapter_config.json` + `adapter_model.safetensors`; other files (README.md,
+tokenizer files) are ignored. Pickled weights (`.bin`, `.pt`) are refused, never opened.
+Every problem found is reported at once in one `AdapterError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from lora.safetensors_header import read_header, read_tensors
+from lora.validate import check_config, check_tensors
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+class AdapterError(ValueError):
+    """An adapter folder that cannot be served; `problems` lists everything wrong with it."""
+
+    def __init__(self, name: str, problems: list[str]) -> None:
+        self.name = name
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"adapter {name!r} cannot be loaded ({len(problems)} problems):\n{lines}")
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """The LoRA of one projection: `delta_W = scale * b @ a`."""
+
+    a: torch.Tensor  # (rank, in_features)
+    b: torch.Tensor  # (out_features, rank)
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+    def delta(self) -> torch.Tensor:
+        """Dense fp32 weight delta [out_features, in_features] (for tests and merging)."""
+        return self.scale * (self.b.float() @ self.a.float())
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A validated adapter, weights on the host.
+
+    `layers[i]` maps projection names (`q_proj`, ..., `down_proj`) to that layer's LoRA;
+    untargeted projections are absent. `scale` is the config's alpha / r (or alpha / sqrt(r));
+    a module's own `scale` differs only under `rank_pattern` / `alpha_pattern`.
+    """
+
+    name: str
+    rank: int  # the largest module rank: what the adapter needs from a slot
+    scale: float
+    layers: tuple[dict[str, LoraModule], ...]
+
+    @property
+    def target_modules(self) -> frozenset[str]:
+        return frozenset(m for layer in self.layers for m in layer)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            for m in layer.values()
+            for t in (m.a, m.b)
+        )
+
+    def delta(self, layer: int, module: str) -> torch.Tensor | None:
+        """Dense fp32 delta [out_features, in_features] of one projection, None if untargeted."""
+        m = self.layers[layer].get(module)
+        return None if m is None else m.delta()
+
+
+def load_adapter(
+    path: str | Path,
+    base: ModelConfig,
+    *,
+    max_rank: int = 64,
+    name: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> LoraAdapter:
+    """Read and validate a PEFT adapter folder.
+
+    Args:
+        path: the folder written by PEFT's `save_pretrained`.
+        base: the served model's shape; the adapter must match it exactly.
+        max_rank: the engine's `--max-lora-rank`; the slot buffers are this wide.
+        name: registry name (default: the folder's name).
+        dtype: convert the weights to this dtype (default: as stored).
+    Raises:
+        AdapterError: listing every problem found (config, tensor names, shapes, dtypes,
+            NaN/Inf, a corrupt or truncated file, pickled weights).
+    """
+    folder = Path(path)
+    name = name or folder.name
+    if not folder.is_dir():
+        raise AdapterError(name, [f"{folder} is not a directory"])
+    problems: list[str] = []
+
+    settings = None
+    cfg_file = folder / CONFIG_FILE
+    try:
+        cfg = json.loads(cfg_file.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        problems.append(f"missing {CONFIG_FILE}")
+    except (OSError, ValueError) as e:
+        problems.append(f"{CONFIG_FILE} is not valid JSON ({e})")
+    else:
+        settings, found = check_config(cfg, base, max_rank)
+        problems += found
+
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            problems.append(
+                f"{', '.join(pickles)}: pickled weights are never loaded (unpickling runs "
+                f"arbitrary code); save the adapter with safetensors: "
+                f"model.save_pretrained(path, safe_serialization=True)"
+            )
+        else:
+            problems.append(f"missing {WEIGHTS_FILE}")
+        raise AdapterError(name, problems)
+
+    entries, header_problems = read_header(weights)
+    problems += header_problems
+    modules = []
+    if entries or not header_problems:  # an unreadable header has nothing more to report
+        modules, found = check_tensors(entries, settings, base, max_rank, weights.name)
+        problems += found
+
+    # Only checked entries are read: each lies inside the file, so this is bounded by its size.
+    try:
+        tensors = read_tensors(weights, [e for m in modules for e in (m.a, m.b)])
+    except OSError as e:
+        raise AdapterError(name, [*problems, str(e)]) from None
+    for key, t in tensors.items():
+        if not torch.isfinite(t).all():
+            problems.append(f"{weights.name}: tensor {key!r} contains NaN or Inf")
+    if problems:
+        raise AdapterError(name, problems)
+    assert settings is not None  # no problems means the config parsed
+
+    layers: list[dict[str, LoraModule]] = [{} for _ in range(base.num_layers)]
+    for m in modules:
+        a, b = tensors[m.a.name], tensors[m.b.name]
+        if dtype is not None:
+            a, b = a.to(dtype), b.to(dtype)
+        layers[m.layer][m.module] = LoraModule(a, b, settings.scale(m.path))
+    return LoraAdapter(
+        name=name,
+        rank=max(m.a.shape[0] for m in modules),
+        scale=settings.default_scale,
+        layers=tuple(layers),
+    )

@@ -1,0 +1,116 @@
+"""The device tier: stacked LoRA buffers holding `num_slots` resident adapters.
+
+The base model fuses projections (`qkv_proj` rows `[q|k|v]`, `gate_up_proj` rows `[gate|up]`),
+so each layer keeps, per fused projection, one A stack with the slices' ranks side by side and
+one B stack per slice:
+
+    a: [num_slots, num_slices * r_max, in_features]
+    b[j]: [num_slots, out_features_j, r_max]
+
+A slot holds one adapter; ranks below `r_max` and projections the adapter does not target are
+zeros, which add nothing (see `kernels.sgmv`). `scales[slot]` is the adapter's alpha / r; a
+module whose own scale differs (PEFT's rank/alpha patterns) has the ratio folded into its B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lora.adapter import LoraAdapter
+from lora.batch import LoraBatchInfo, lora_expand_slices, lora_shrink
+from lora.validate import projection_dims
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
+
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class ProjectionSlots:
+    """Stacked LoRA weights of one (fused) projection of one layer."""
+
+    a: torch.Tensor  # (num_slots, num_slices * r_max, in_features)
+    b: tuple[torch.Tensor, ...]  # per slice: (num_slots, out_features_j, r_max)
+
+
+class LoraSlots:
+    """Fixed-size device buffers; the adapter manager decides which adapter sits in which slot."""
+
+    def __init__(
+        self,
+        base: ModelConfig,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_slots, self.max_rank = num_slots, max_rank
+        dims = projection_dims(base)
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.layers: list[dict[str, ProjectionSlots]] = [
+            {
+                fused: ProjectionSlots(
+                    a=zeros(num_slots, len(parts) * max_rank, dims[parts[0]][0]),
+                    b=tuple(zeros(num_slots, dims[p][1], max_rank) for p in parts),
+                )
+                for fused, parts in FUSED.items()
+            }
+            for _ in range(base.num_layers)
+        ]
+        self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)  # (num_slots,)
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy a validated adapter into `slot`, replacing whatever was there."""
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"adapter rank {adapter.rank} exceeds the slot rank {self.max_rank}")
+        if len(adapter.layers) != len(self.layers):
+            raise ValueError("adapter was validated against a different base model")
+        self.clear(slot)
+        r_max = self.max_rank
+        for layer, modules in zip(self.layers, adapter.layers, strict=True):
+            for fused, parts in FUSED.items():
+                stack = layer[fused]
+                for j, part in enumerate(parts):
+                    m = modules.get(part)
+                    if m is None:
+                        continue
+                    r = m.rank
+                    stack.a[slot, j * r_max : j * r_max + r].copy_(m.a)
+                    stack.b[j][slot, :, :r].copy_(m.b * (m.scale / adapter.scale))
+        self.scales[slot] = adapter.scale
+
+    def clear(self, slot: int) -> None:
+        for layer in self.layers:
+            for stack in layer.values():
+                stack.a[slot].zero_()
+                for b in stack.b:
+                    b[slot].zero_()
+        self.scales[slot] = 0.0
+
+    def apply(
+        self, y: torch.Tensor, x: torch.Tensor, layer: int, fused: str, info: LoraBatchInfo
+    ) -> None:
+        """y += LoRA(x) for projection `fused` ("qkv_proj", "o_proj", "gate_up_proj",
+        "down_proj") of `layer`, each token with its own slot's adapter.
+
+        Args:
+            y: [T, out_features] the base projection's output, updated in place.
+            x: [T, in_features] the projection's input.
+        """
+        if not info.has_lora:
+            return
+        stack = self.layers[layer][fused]
+        t = lora_shrink(x, stack.a, info)  # (num_tokens, num_slices * r_max)
+        lora_expand_slices(y, t, stack.b, self.scales, info)

@@ -1,0 +1,295 @@
+"""Check a PEFT LoRA adapter against the base model; every check returns all its problems.
+
+Two inputs are checked: `adapter_config.json` (a dict) and the safetensors header (names,
+dtypes, shapes), both before any weight is read. Messages name the file, tensor or field and
+say what was expected, so one 400 response tells the uploader everything to fix.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lora.safetensors_header import FLOAT_DTYPES, TensorEntry
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
+
+# The projections LoRA is served on, and the block each lives in.
+PROJECTIONS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+_SUPPORTED = ", ".join(PROJECTIONS)
+
+# Config fields that change the forward pass in ways the kernels do not implement.
+_UNSUPPORTED_FIELDS = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA bias terms (lora_bias)",
+    "modules_to_save": "full module copies (modules_to_save)",
+    "fan_in_fan_out": "the Conv1D weight layout (fan_in_fan_out)",
+    "layer_replication": "layer_replication",
+    "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
+    "target_parameters": "LoRA on raw parameters (target_parameters)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+}
+
+_KEY = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])"
+    r"(?:\.default)?\.weight"
+)
+_MODULE_OF_KEY = re.compile(r"([A-Za-z_][\w]*)\.lora_(?:embedding_)?[AB]\b")
+
+
+def projection_dims(base: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of the base model."""
+    h, i = base.hidden_size, base.intermediate_size
+    q, kv = base.num_heads * base.head_dim, base.num_kv_heads * base.head_dim
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The parts of `adapter_config.json` that shape the forward pass."""
+
+    r: int
+    alpha: float
+    use_rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+
+    def rank(self, module_path: str) -> int:
+        """Rank of `model.layers.{i}.{block}.{proj}`, with PEFT's `rank_pattern` rule."""
+        key = _pattern_key(self.rank_pattern, module_path)
+        return self.rank_pattern[key] if key is not None else self.r
+
+    def scale(self, module_path: str) -> float:
+        """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA (per-module patterns)."""
+        key = _pattern_key(self.alpha_pattern, module_path)
+        alpha = self.alpha_pattern[key] if key is not None else self.alpha
+        return _scaling(alpha, self.rank(module_path), self.use_rslora)
+
+    @property
+    def default_scale(self) -> float:
+        """The scaling of modules no pattern matches."""
+        return _scaling(self.alpha, self.r, self.use_rslora)
+
+
+def _scaling(alpha: float, r: int, use_rslora: bool) -> float:
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def _pattern_key(patterns: dict[str, Any], module_path: str) -> str | None:
+    # PEFT's get_pattern_key: the first key matching a dotted suffix of the module's name.
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return key
+    return None
+
+
+def check_config(
+    cfg: dict[str, Any], base: ModelConfig, max_rank: int
+) -> tuple[LoraSettings | None, list[str]]:
+    """Validate `adapter_config.json`. Returns the settings (None if unusable) and problems."""
+    where = "adapter_config.json"
+    problems = []
+    if cfg.get("peft_type", "LORA") != "LORA":
+        problems.append(
+            f"{where}: peft_type is {cfg['peft_type']!r}; only LORA adapters are served"
+        )
+    for key, what in _UNSUPPORTED_FIELDS.items():
+        if cfg.get(key):
+            problems.append(f"{where}: {what} is not supported ({key}={cfg[key]!r})")
+    if cfg.get("bias", "none") != "none":
+        problems.append(f"{where}: bias={cfg['bias']!r} trains bias terms; only 'none' is served")
+
+    mapping = cfg.get("auto_mapping") or {}
+    arch = mapping.get("base_model_class") if isinstance(mapping, dict) else None
+    if arch and arch != base.architecture:
+        problems.append(
+            f"{where}: adapter was made for {arch}, but the base model is {base.architecture}"
+        )
+    problems += _check_targets(cfg.get("target_modules"), where)
+    layers = cfg.get("layers_to_transform")
+    for i in [layers] if isinstance(layers, int) else layers or []:
+        if not isinstance(i, int) or not 0 <= i < base.num_layers:
+            problems.append(
+                f"{where}: layers_to_transform has {i!r}; the base model has "
+                f"{base.num_layers} layers"
+            )
+
+    r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    ok = True
+    for key, value in [("r", r), *((f"rank_pattern[{k!r}]", v) for k, v in rank_pattern.items())]:
+        if not _is_int(value) or value < 1:
+            problems.append(f"{where}: {key} must be a positive integer, got {value!r}")
+            ok = False
+        elif value > max_rank:
+            problems.append(f"{where}: {key}={value} exceeds the max LoRA rank {max_rank}")
+    for key, value in [
+        ("lora_alpha", alpha),
+        *((f"alpha_pattern[{k!r}]", v) for k, v in alpha_pattern.items()),
+    ]:
+        if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            problems.append(f"{where}: {key} must be a positive number, got {value!r}")
+            ok = False
+    if not isinstance(cfg.get("use_rslora", False), bool):
+        problems.append(f"{where}: use_rslora must be true or false")
+        ok = False
+    for pattern in [*rank_pattern, *alpha_pattern]:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            problems.append(f"{where}: pattern {pattern!r} is not a valid regex ({e})")
+            ok = False
+    if not ok:
+        return None, problems
+    settings = LoraSettings(
+        r,
+        float(alpha),
+        cfg.get("use_rslora", False),
+        dict(rank_pattern),
+        {k: float(v) for k, v in alpha_pattern.items()},
+    )
+    return settings, problems
+
+
+def _check_targets(targets: object, where: str) -> list[str]:
+    if targets is None or isinstance(targets, str):
+        return []  # "all-linear" or a regex: the tensors present are checked instead
+    if not isinstance(targets, list):
+        return [f"{where}: target_modules must be a list or a string"]
+    return [
+        f"{where}: target module {name!r} is not supported (LoRA is served on {_SUPPORTED})"
+        for name in targets
+        if not isinstance(name, str) or name.rsplit(".", 1)[-1] not in PROJECTIONS
+    ]
+
+
+@dataclass(frozen=True)
+class ModuleTensors:
+    """The lora_A / lora_B header entries of one targeted projection of one layer."""
+
+    layer: int
+    module: str
+    path: str  # `model.layers.{layer}.{block}.{module}`, what PEFT's patterns match
+    a: TensorEntry  # (rank, in_features)
+    b: TensorEntry  # (out_features, rank)
+
+
+def check_tensors(
+    entries: dict[str, TensorEntry],
+    settings: LoraSettings | None,
+    base: ModelConfig,
+    max_rank: int,
+    where: str = "adapter_model.safetensors",
+) -> tuple[list[ModuleTensors], list[str]]:
+    """Match tensor names to projections and check dtypes and shapes against the base."""
+    problems: list[str] = []
+    found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    for key, entry in entries.items():
+        m = _KEY.fullmatch(key)
+        if m is None or m[3] not in PROJECTIONS or PROJECTIONS[m[3]] != m[2]:
+            guess = _MODULE_OF_KEY.search(key)
+            module = m[3] if m else guess[1] if guess else None
+            if module and module not in PROJECTIONS:
+                problems.append(
+                    f"{where}: target module {module!r} is not supported "
+                    f"(LoRA is served on {_SUPPORTED})"
+                )
+            else:
+                problems.append(
+                    f"{where}: unexpected tensor {key!r} (only lora_A/lora_B weights of "
+                    f"{_SUPPORTED} are served)"
+                )
+            continue
+        layer = int(m[1])
+        if layer >= base.num_layers:
+            problems.append(
+                f"{where}: tensor {key!r} is for layer {layer}, but the base model has "
+                f"{base.num_layers} layers (adapter made for another base model?)"
+            )
+            continue
+        if entry.dtype not in FLOAT_DTYPES:
+            problems.append(
+                f"{where}: tensor {key!r} has dtype {entry.dtype}; expected F32, F16 or BF16"
+            )
+        found.setdefault((layer, m[3]), {})[m[4]] = entry
+    if not entries:
+        problems.append(f"{where}: contains no tensors")
+
+    dims = projection_dims(base)
+    modules = []
+    for (layer, module), ab in sorted(found.items()):
+        path = f"model.layers.{layer}.{PROJECTIONS[module]}.{module}"
+        if len(ab) != 2:
+            have, miss = ("A", "B") if "A" in ab else ("B", "A")
+            problems.append(f"{where}: {path} has lora_{have} but no lora_{miss}")
+            continue
+        a, b = ab["A"], ab["B"]
+        bad = _check_pair(path, a.shape, b.shape, dims[module], settings, max_rank)
+        problems += [f"{where}: {p}" for p in bad]
+        if not bad and a.dtype in FLOAT_DTYPES and b.dtype in FLOAT_DTYPES:
+            modules.append(ModuleTensors(layer, module, path, a, b))
+    return modules, list(dict.fromkeys(problems))
+
+
+def _check_pair(
+    path: str,
+    a: tuple[int, ...],
+    b: tuple[int, ...],
+    dims: tuple[int, int],
+    settings: LoraSettings | None,
+    max_rank: int,
+) -> list[str]:
+    in_f, out_f = dims
+    if len(a) != 2 or len(b) != 2:
+        return [f"{path}: lora_A {list(a)} and lora_B {list(b)} must both be 2-D"]
+    rank = a[0]
+    problems = []
+    if a[1] != in_f:
+        problems.append(
+            f"{path}.lora_A has shape {list(a)}, expected [{rank}, {in_f}] (in_features of the "
+            f"base model's {path.rsplit('.', 1)[-1]}; adapter made for another base model?)"
+        )
+    if b[0] != out_f:
+        problems.append(
+            f"{path}.lora_B has shape {list(b)}, expected [{out_f}, {rank}] (out_features of "
+            f"the base model's {path.rsplit('.', 1)[-1]}; adapter made for another base model?)"
+        )
+    if b[1] != rank:
+        problems.append(f"{path}: lora_A has rank {rank} but lora_B has rank {b[1]}")
+    if settings is not None and rank != settings.rank(path):
+        problems.append(
+            f"{path}: tensors have rank {rank} but adapter_config.json says r={settings.rank(path)}"
+        )
+    if rank > max_rank:
+        problems.append(f"{path}: rank {rank} exceeds the max LoRA rank {max_rank}")
+    if rank == 0:
+        problems.append(f"{path}: rank 0")
+    return problems
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

@@ -1,0 +1,106 @@
+"""Shared fixtures: the embedded SmolLM2 (engine tests) and `gateway_server`, one real
+`switchboard serve` for the whole session (gateway tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# key -> tenant; beta may run one request at a time, gamma 40 tokens a minute.
+API_KEYS = {
+    "sk-test-alpha": "alpha",
+    "sk-test-beta": {"tenant": "beta", "max_concurrent_requests": 1},
+    "sk-test-gamma": {"tenant": "gamma", "tokens_per_minute": 40},
+}
+# Small and fast: 8 seats + 12 queued sequences (so 16 concurrent requests fit, 40 do not).
+SERVE_FLAGS = ["--kv-pages", "160", "--page-size", "16", "--max-num-seqs", "8",
+               "--max-queue", "12", "--max-num-batched-tokens", "256", "--log-level", "warning"]
+
+
+# -- the embedded model, loaded once per session ------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2 as an HF folder (converted from its GGUF once, then cached)."""
+    from engine.config import default_cache_dir
+    from engine.loader import resolve_model_dir
+
+    return resolve_model_dir(None, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir: Path):
+    from engine import LLM
+
+    return LLM(model=str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+# -- the gateway ------------------------------------------------------------------------
+
+
+@dataclass
+class GatewayServer:
+    url: str  # e.g. http://127.0.0.1:41234
+    api_key: str
+    model: str
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+@pytest.fixture(scope="session")
+def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    """`switchboard serve` on the embedded model, on a free port, in a subprocess."""
+    tmp = tmp_path_factory.mktemp("gateway")
+    keys = tmp / "keys.json"
+    keys.write_text(json.dumps(API_KEYS))
+    log = tmp / "serve.log"
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--api-keys", str(keys),
+           *SERVE_FLAGS]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = _wait_for_banner(proc, log, timeout=300)
+        yield GatewayServer(url, "sk-test-alpha", "SmolLM2-135M-Instruct", log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_for_banner(proc: subprocess.Popen, log: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(r"serving \S+ at (http://\S+)", log.read_text())
+        if m:
+            return m.group(1)
+        if proc.poll() is not None:
+            pytest.fail(f"switchboard serve exited ({proc.returncode}):\n{log.read_text()}")
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"switchboard serve did not become ready:\n{log.read_text()}")

@@ -1,0 +1,139 @@
+"""Batch info, SGMV/BGMV dispatch, and fused slot buffers against peft's per-module LoRA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lora.adapter import load_adapter
+from lora.batch import LoraBatchInfo, lora_expand, lora_expand_slices, lora_shrink
+from lora.slots import LoraSlots
+
+peft = pytest.importorskip("peft")
+
+
+def test_build_merges_runs():
+    info = LoraBatchInfo.build([2, 2, -1, 0, 0, 5], [1, 3, 2, 0, 4, 1])
+    assert info.token_slots.tolist() == [2, 2, 2, 2, -1, -1, 0, 0, 0, 0, 5]
+    assert info.seg_indptr.tolist() == [0, 4, 6, 10, 11]
+    assert info.seg_slots.tolist() == [2, -1, 0, 5]
+    assert info.max_seg_len == 4 and info.use_sgmv and info.has_lora
+    assert info.token_slots.dtype == torch.int32
+
+
+def test_interleaved_decodes_use_bgmv_and_base_only_has_no_lora():
+    info = LoraBatchInfo.build([0, 1, 0, 1], [1, 1, 1, 1])
+    assert not info.use_sgmv and info.seg_slots.tolist() == [0, 1, 0, 1]
+    assert not LoraBatchInfo.build([-1, -1], [1, 7]).has_lora
+    empty = LoraBatchInfo.build([], [])
+    assert empty.token_slots.numel() == 0 and not empty.has_lora
+
+
+def test_sgmv_and_bgmv_paths_agree():
+    gen = torch.Generator().manual_seed(0)
+    info = LoraBatchInfo.build([1, -1, 3, 1, 0], [4, 2, 1, 3, 5])
+    x = torch.randn(15, 32, generator=gen)
+    a, b = torch.randn(4, 24, 32, generator=gen), torch.randn(4, 20, 8, generator=gen)
+    b2 = torch.randn(4, 12, 8, generator=gen)
+    scales = torch.tensor([0.5, 1.0, 2.0, 4.0])
+    results = []
+    for use_sgmv in (True, False):
+        i = dataclasses.replace(info, use_sgmv=use_sgmv)
+        t = lora_shrink(x, a, i)  # (15, 3 slices x rank 8)
+        y = torch.zeros(15, 60)
+        lora_expand_slices(y, t, [b, b2, b], scales, i)
+        lora_expand(y, t[:, :8], b2, scales, i, slice_offset=48)
+        results.append(y)
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+    assert results[0][4:6].abs().sum() == 0  # base-only rows untouched
+
+
+def _peft_model(tmp_path, name, seed, **kwargs):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.config import ModelConfig
+
+    torch.manual_seed(0)  # same base weights for every adapter
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    base = ModelConfig.from_hf({**cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    model = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(seed)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **kwargs))
+    wrapped.save_pretrained(tmp_path / name)
+    return wrapped.eval(), load_adapter(tmp_path / name, base, max_rank=16), base
+
+
+FUSED = {  # the engine's fused projection -> (HF block, HF projections in row order)
+    "qkv_proj": ("self_attn", ["q_proj", "k_proj", "v_proj"]),
+    "o_proj": ("self_attn", ["o_proj"]),
+    "gate_up_proj": ("mlp", ["gate_proj", "up_proj"]),
+    "down_proj": ("mlp", ["down_proj"]),
+}
+
+
+@torch.no_grad()
+def _hf_fused(model, layer, fused, x, lora=True):
+    """peft's output of the HF projections making up `fused`, concatenated like the engine."""
+    block_name, parts = FUSED[fused]
+    block = getattr(model.base_model.model.model.layers[layer], block_name)
+    mods = [getattr(block, p) for p in parts]
+    if not lora:  # untargeted projections are plain nn.Linear
+        mods = [getattr(m, "base_layer", m) for m in mods]
+    return torch.cat([m(x) for m in mods], dim=-1)
+
+
+@pytest.mark.parametrize("use_sgmv", [True, False], ids=["sgmv", "bgmv"])
+def test_fused_slots_match_peft(tmp_path, use_sgmv):
+    """One mixed batch through fused qkv / gate_up slot buffers equals peft per adapter."""
+    peft_a, ad_a, base = _peft_model(
+        tmp_path, "a", 1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj"]
+    )
+    peft_b, ad_b, _ = _peft_model(
+        tmp_path,
+        "b",
+        2,
+        r=4,
+        lora_alpha=4,
+        use_rslora=True,
+        target_modules=["k_proj", "up_proj", "down_proj", "o_proj"],
+        rank_pattern={"o_proj": 2},
+        alpha_pattern={"down_proj": 2.0},  # per-module scales
+    )
+    slots = LoraSlots(base, num_slots=3, max_rank=16)
+    slots.load(2, ad_a)
+    slots.load(0, ad_b)
+    # tokens: 3 of adapter a, 2 base-only, 4 of adapter b, 1 of a
+    info = dataclasses.replace(LoraBatchInfo.build([2, -1, 0, 2], [3, 2, 4, 1]), use_sgmv=use_sgmv)
+    rows_a, rows_base, rows_b = [0, 1, 2, 9], [3, 4], [5, 6, 7, 8]
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(base.num_layers):
+        for fused in FUSED:
+            in_features = 96 if fused == "down_proj" else 64
+            x = torch.randn(10, in_features, generator=gen)
+            y = _hf_fused(peft_a, layer, fused, x, lora=False)  # the engine's base projection
+            slots.apply(y, x, layer, fused, info)
+            expected = torch.empty_like(y)
+            expected[rows_a] = _hf_fused(peft_a, layer, fused, x[rows_a])
+            expected[rows_b] = _hf_fused(peft_b, layer, fused, x[rows_b])
+            expected[rows_base] = _hf_fused(peft_a, layer, fused, x[rows_base], lora=False)
+            torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_slot_load_replaces_and_rejects_too_wide(tmp_path):
+    _, ad, base = _peft_model(tmp_path, "c", 3, r=8, lora_alpha=8, target_modules=["q_proj"])
+    slots = LoraSlots(base, num_slots=2, max_rank=8)
+    slots.load(1, ad)
+    assert slots.scales.tolist() == [0.0, 1.0]
+    slots.clear(1)
+    assert slots.layers[0]["qkv_proj"].a.abs().sum() == 0
+    with pytest.raises(ValueError, match="exceeds the slot rank"):
+        LoraSlots(base, num_slots=1, max_rank=4).load(0, ad)
