@@ -70,7 +70,8 @@ class AsyncEngine:
         self._engine: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}
+        self._sinks: dict[str, Sink] = {}  # event loop side: who listens for which request
+        self._live: set[str] = set()  # engine thread side: requests added and not finished
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._done_loading = threading.Event()
@@ -183,6 +184,7 @@ class AsyncEngine:
         outputs = self._drain(block=not self._engine.has_unfinished_requests())
         if self._engine.has_unfinished_requests() and not self._stopping:
             outputs += self._step()
+        self._live.difference_update(o.request_id for o in outputs if o.finished)
         self._publish_stats()
         if outputs:
             self._send(outputs)
@@ -199,9 +201,11 @@ class AsyncEngine:
             if cmd is _STOP:
                 return outputs
             if isinstance(cmd, _Abort):
-                out = self._engine.abort_request(cmd.request_id)
-                if out is not None:
-                    outputs.append(out)
+                self._live.discard(cmd.request_id)
+                try:
+                    self._engine.abort_request(cmd.request_id)  # nobody listens for its output
+                except Exception:
+                    log.exception("aborting %s failed", cmd.request_id)
             else:
                 err = self._add(cmd)
                 if err is not None:
@@ -215,6 +219,7 @@ class AsyncEngine:
         except Exception as e:
             log.exception("adding request %s failed", req.request_id)
             return _failed(req.request_id, f"{type(e).__name__}: {e}")
+        self._live.add(req.request_id)
         return None
 
     def _step(self) -> list[RequestOutput]:
@@ -222,16 +227,18 @@ class AsyncEngine:
             return self._engine.step()
         except Exception as e:
             # We cannot tell which request of the batch broke the step: fail the running ones
-            # (this frees their pages) and keep serving the waiting ones.
+            # (this frees their pages), and any that finished inside the failed step (their
+            # outputs are lost); keep serving the waiting ones.
             log.exception("engine step failed; failing the running requests")
-            outputs = []
-            for req in list(self._engine.scheduler.running):
+            scheduler = self._engine.scheduler
+            running = {r.request_id for r in scheduler.running}
+            vanished = self._live - {r.request_id for r in scheduler.requests()}
+            for rid in running:
                 try:
-                    self._engine.abort_request(req.request_id)
+                    self._engine.abort_request(rid)
                 except Exception:
-                    log.exception("could not abort %s", req.request_id)
-                outputs.append(_failed(req.request_id, f"engine step failed: {e}"))
-            return outputs
+                    log.exception("could not abort %s", rid)
+            return [_failed(rid, f"engine step failed: {e}") for rid in running | vanished]
 
     def _publish_stats(self) -> None:
         e = self._engine

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelLoadError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
@@ -28,8 +28,11 @@ class LLMEngine:
 
         self.cfg = cfg
         self.model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = load_model(self.model_dir, DTYPES[cfg.dtype], cfg.device)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load the tokenizer from {self.model_dir}: {e}") from e
         mc = self.model_config = self.model.cfg
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

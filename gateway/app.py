@@ -7,6 +7,7 @@ admission (queue bound, tenant limits) -> engine -> JSON body or SSE stream.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -40,6 +41,7 @@ Body = TypeVar("Body", bound=BaseModel)
 def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAPI:
     """The app serving `config`. The engine starts loading when the app starts (lifespan)."""
     rt = Runtime(config, engine)
+    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -72,12 +74,12 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
 
     @app.get("/v1/models")
     async def list_models(_: str = Depends(authenticate)) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(config)]}
+        return {"object": "list", "data": [_model_card(config, created)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
         resolve_adapter(model, config.model_name, tenant)
-        return _model_card(config)
+        return _model_card(config, created)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, tenant: str = Depends(authenticate)) -> Response:
@@ -117,7 +119,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         else:
             fmt = CompletionFormat(gen, config.model_name, tok, body.include_usage, body.echo)
         if body.stream:
-            return SSEResponse(stream_events(gen, fmt, body.include_usage))
+            return SSEResponse(stream_events(gen, fmt, body.include_usage), on_close=gen.close)
         return await _collect(gen, fmt, request.is_disconnected)
 
     return app
@@ -158,5 +160,6 @@ async def read_body(request: Request, schema: type[Body], limit: int) -> Body:
         raise from_validation(e.errors()) from None
 
 
-def _model_card(config: ServeConfig) -> dict[str, Any]:
-    return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "switchboard"}
+def _model_card(config: ServeConfig, created: int) -> dict[str, Any]:
+    return {"id": config.model_name, "object": "model", "created": created,
+            "owned_by": "switchboard"}

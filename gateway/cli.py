@@ -13,40 +13,40 @@ import sys
 
 from gateway.config import ConfigError, ServeConfig, build_config
 
-# (flag, type, help); each flag's dest is a ServeConfig field.
-FLAGS: list[tuple[str, type, str]] = [
-    ("--model", str, "HF checkpoint folder or .gguf file (default: embedded SmolLM2)"),
-    ("--served-model-name", str, "the name clients pass as `model` (default: from --model)"),
-    ("--host", str, "interface to bind (default 127.0.0.1)"),
-    ("--port", int, "port to bind, 0 for any free port (default 8000)"),
-    ("--api-keys", str, "JSON file mapping API keys to tenants (default: auth off)"),
-    ("--max-num-seqs", int, "most sequences in the running batch"),
-    ("--max-num-batched-tokens", int, "token budget per engine step"),
-    ("--kv-pages", int, "KV cache pages (default: sized from --kv-cache-gb)"),
-    ("--page-size", int, "tokens per KV page"),
-    ("--kv-cache-gb", float, "KV cache budget when --kv-pages is not given"),
-    ("--max-model-len", int, "context length cap"),
-    ("--dtype", str, "float32 | bfloat16 | float16"),
-    ("--device", str, "cpu | cuda"),
-    ("--seed", int, "engine seed for unseeded sampling"),
-    ("--max-queue", int, "sequences that may wait beyond a full batch before 429s"),
-    ("--max-request-bytes", int, "largest accepted request body"),
-    ("--default-max-tokens", int, "cap on max_tokens when a request leaves it out"),
-    ("--log-level", str, "critical | error | warning | info | debug"),
+# (flag, metavar, type, help); each flag's dest is a ServeConfig field.
+FLAGS: list[tuple[str, str, type, str]] = [
+    ("--model", "PATH", str, "HF checkpoint folder or .gguf file (default: embedded SmolLM2)"),
+    ("--served-model-name", "NAME", str, "the `model` clients send (default: from --model)"),
+    ("--host", "HOST", str, "interface to bind (default 127.0.0.1)"),
+    ("--port", "PORT", int, "port to bind, 0 for any free port (default 8000)"),
+    ("--api-keys", "FILE", str, "JSON file mapping API keys to tenants (default: auth off)"),
+    ("--max-num-seqs", "N", int, "most sequences in the running batch"),
+    ("--max-num-batched-tokens", "N", int, "token budget per engine step"),
+    ("--kv-pages", "N", int, "KV cache pages (default: sized from --kv-cache-gb)"),
+    ("--page-size", "N", int, "tokens per KV page"),
+    ("--kv-cache-gb", "GB", float, "KV cache budget when --kv-pages is not given"),
+    ("--max-model-len", "N", int, "context length cap"),
+    ("--dtype", "DTYPE", str, "float32 | bfloat16 | float16"),
+    ("--device", "DEVICE", str, "cpu | cuda"),
+    ("--seed", "N", int, "engine seed for unseeded sampling"),
+    ("--max-queue", "N", int, "sequences that may wait beyond a full batch before 429s"),
+    ("--max-request-bytes", "N", int, "largest accepted request body"),
+    ("--default-max-tokens", "N", int, "cap on max_tokens when a request leaves it out"),
+    ("--log-level", "LEVEL", str, "critical | error | warning | info | debug"),
 ]
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--config", default=None, help="TOML file with any of these settings")
-    for flag, type_, help_ in FLAGS:
-        p.add_argument(flag, type=type_, default=None, help=help_)
+    p.add_argument("--config", metavar="TOML", help="TOML file with any of these settings")
+    for flag, metavar, type_, help_ in FLAGS:
+        p.add_argument(flag, metavar=metavar, type=type_, default=None, help=help_)
     p.set_defaults(func=serve)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-                 for flag, _, _ in FLAGS}
+                 for flag, *_ in FLAGS}
     return build_config(args.config, **overrides)
 
 
@@ -60,21 +60,21 @@ def serve(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        _error(console, str(e))
         return 2
     app = create_app(cfg)
     server = ServerThread(app, cfg.host, cfg.port, cfg.log_level)
     try:
         server.start()
     except RuntimeError as e:
-        console.print(f"[red]error:[/red] {e} (port {cfg.port} in use?)", highlight=False)
+        _error(console, f"{e} (port {cfg.port} in use?)")
         return 1
     signal.signal(signal.SIGTERM, _interrupt)  # stop gracefully on SIGTERM as on Ctrl-C
     try:
         runtime = app.state.runtime
         _show_loading(console, runtime)
         if runtime.load_error is not None:
-            console.print(f"[red]error:[/red] {runtime.load_error}", highlight=False)
+            _error(console, str(runtime.load_error))
             return 1
         _print_banner(cfg, server.url)
         while server.alive():
@@ -84,6 +84,12 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     return 0
+
+
+def _error(console, message: str) -> None:  # noqa: ANN001 - a rich Console
+    from rich.markup import escape
+
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def _interrupt(signum: int, frame: object) -> None:

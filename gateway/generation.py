@@ -88,17 +88,21 @@ class Generation:
         self, disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Each engine output with its (already updated) choice, until all have finished.
-        With `disconnected`, polls it while idle and stops early (aborting) when it is true."""
+        With `disconnected`, polls it every `DISCONNECT_POLL_S` and stops early (aborting)
+        once the client has gone."""
+        check_at = time.monotonic() + DISCONNECT_POLL_S
         while not self.done:
+            if disconnected is not None and time.monotonic() >= check_at:
+                if await disconnected():
+                    self.close()
+                    return
+                check_at = time.monotonic() + DISCONNECT_POLL_S
             if disconnected is None:
                 out = await self.sink.get()
             else:
                 try:
                     out = await asyncio.wait_for(self.sink.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
-                    if await disconnected():
-                        self.close()
-                        return
                     continue
             choice = self.choices.get(out.request_id)
             if choice is None or choice.finished:

@@ -80,7 +80,10 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
 def plan_chat(
     body: ChatCompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
 ) -> list[Job]:
-    prompt = tok.chat_prompt(chat_messages(body))
+    try:
+        prompt = tok.chat_prompt(chat_messages(body))
+    except InvalidRequestError as e:
+        raise bad_request(e.message, e.param) from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _jobs([prompt], body, logprobs, tok, facts, adapter, prompt_param="messages")
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _OPEN = ConfigDict(extra="allow", strict=True)
+MAX_STOP_CHARS = 512  # stop matching cost grows with the length; keep one request cheap
 
 
 class ContentPart(BaseModel):
@@ -67,7 +68,7 @@ class _Generation(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -76,7 +77,7 @@ class _Generation(BaseModel):
     stream_options: StreamOptions | None = None
 
     # The engine's extras.
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
     repetition_penalty: float | None = Field(None, gt=0)
@@ -94,6 +95,8 @@ class _Generation(BaseModel):
             raise ValueError("at most 16 stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")

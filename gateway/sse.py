@@ -8,11 +8,11 @@ engine frees the request's pages before its next step.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from starlette.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from engine.messages import RequestOutput
 from gateway.errors import error_body
@@ -49,13 +49,22 @@ async def stream_events(
 
 
 class SSEResponse(StreamingResponse):
-    """A streaming response whose body iterator is always closed, however the stream ends."""
+    """A streaming response that always cleans up, however the stream ends: the body
+    iterator is closed and `on_close` runs (even when the client left before the first
+    chunk, when the iterator's own `finally` never ran)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
         super().__init__(content, headers={"Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
     async def stream_response(self, send: Send) -> None:
         try:

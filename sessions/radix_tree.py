@@ -113,7 +113,7 @@ class RadixTree:
         if root is None:
             root = RadixNode((), [], None)  # not stored: an unknown namespace stays unknown
         key = self._full_pages(tokens)
-        node, pos, pages = self._walk(root, key, pages_out=[])
+        node, pos, pages = self._walk(root, key)
         self.hit_tokens += pos
         self.miss_tokens += len(tokens) - pos
         return MatchResult(pos, pages, node)
@@ -143,7 +143,7 @@ class RadixTree:
         if len(set(given)) != len(given):
             raise ValueError("a page id is listed twice")
         root = self._roots.setdefault(namespace, RadixNode((), [], None))
-        node, pos, tree_pages = self._walk(root, key, pages_out=[])
+        node, pos, tree_pages = self._walk(root, key)
         done = pos // self.page_size
         duplicates = [c for c, t in zip(given[:done], tree_pages, strict=True) if c != t]
         rest = given[done:]
@@ -232,9 +232,7 @@ class RadixTree:
     def _full_pages(self, tokens: Sequence[int]) -> tuple[int, ...]:
         return tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
 
-    def _walk(
-        self, root: RadixNode, key: tuple[int, ...], pages_out: list[int]
-    ) -> tuple[RadixNode, int, list[int]]:
+    def _walk(self, root: RadixNode, key: tuple[int, ...]) -> tuple[RadixNode, int, list[int]]:
         """Follow `key` down from `root`, splitting where it diverges mid-node; touch the path.
 
         Returns the deepest matching node, the matched token count and the matched pages.
@@ -242,6 +240,7 @@ class RadixTree:
         ps = self.page_size
         self._clock += 1
         node, pos = root, 0
+        pages: list[int] = []
         while pos < len(key):
             child = node.children.get(key[pos : pos + ps])
             if child is None:
@@ -254,9 +253,9 @@ class RadixTree:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = self._clock
-            pages_out += child.pages
+            pages += child.pages
             node, pos = child, pos + n
-        return node, pos, pages_out
+        return node, pos, pages
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut `node` after `n` tokens; the new upper part is returned, `node` keeps the rest.
@@ -274,14 +273,15 @@ class RadixTree:
         self._owner.update(dict.fromkeys(upper.pages, upper))
         return upper
 
-    def _adjust(self, node: RadixNode, field: str, delta: int) -> None:
+    def _adjust(self, node: RadixNode, count: str, delta: int) -> None:
+        """Add `delta` to `count` ("lock_ref" or "pin_ref") from `node` up to the root."""
         if not node.alive:
             raise ValueError("node was evicted or reset; lock right after match/insert")
-        if delta < 0 and node.parent is not None and getattr(node, field) == 0:
-            raise ValueError(f"{field.removesuffix('_ref')} count would go below zero")
+        if delta < 0 and node.parent is not None and getattr(node, count) == 0:
+            raise ValueError(f"{count.removesuffix('_ref')} count would go below zero")
         while node.parent is not None:  # the root is never evicted: not counted
             was = node.protected
-            setattr(node, field, getattr(node, field) + delta)
+            setattr(node, count, getattr(node, count) + delta)
             if was != node.protected:
                 self._protected_pages += len(node.pages) if node.protected else -len(node.pages)
             node = node.parent

@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton kernels run exactly (and slowly) on CPU in interpreter mode; set before any import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +31,15 @@ API_KEYS = {
 # Small and fast: 8 seats + 12 queued sequences (so 16 concurrent requests fit, 40 do not).
 SERVE_FLAGS = ["--kv-pages", "160", "--page-size", "16", "--max-num-seqs", "8",
                "--max-queue", "12", "--max-num-batched-tokens", "256", "--log-level", "warning"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 # -- the embedded model, loaded once per session ------------------------------------------
@@ -44,18 +58,21 @@ def smollm2_dir() -> Path:
 def smollm2(smollm2_dir: Path):
     from engine import LLM
 
-    return LLM(model=str(smollm2_dir))
+    return LLM(model=str(smollm2_dir), max_num_seqs=32, num_pages=512)
 
 
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_dir: Path):
-    import torch
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
 
 
 # -- the gateway ------------------------------------------------------------------------
+
+# One torch thread: on a small shared machine, OpenMP threads spinning against other processes
+# made engine steps several times slower than one thread.
+THREADS = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 @dataclass
@@ -81,7 +98,7 @@ def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway
            *SERVE_FLAGS]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **THREADS})
     try:
         url = _wait_for_banner(proc, log, timeout=300)
         yield GatewayServer(url, "sk-test-alpha", "SmolLM2-135M-Instruct", log)

@@ -43,6 +43,9 @@ class _Scheduler:
     def running(self) -> list[_Req]:
         return list(self.engine.requests.values())
 
+    def requests(self) -> list[_Req]:
+        return self.running
+
 
 class FakeEngine:
     """Each step emits one token ("x") per live request."""
@@ -84,10 +87,10 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         time.sleep(0.005)
         self.log.append(("step", tuple(self.requests)))
-        if any(r.params.max_tokens == POISON_STEP for r in self.requests.values()):
-            raise RuntimeError("poisoned step")
         outs = []
         for r in list(self.requests.values()):
+            if r.params.max_tokens == POISON_STEP:  # fails after others finished this step
+                raise RuntimeError("poisoned step")
             r.num_out += 1
             done = r.num_out >= r.params.max_tokens
             if done:
@@ -150,9 +153,17 @@ def test_a_failing_add_fails_only_that_request(bad: int) -> None:
 
 def test_a_failing_step_fails_its_batch_and_the_loop_goes_on() -> None:
     async def main() -> None:
-        eng = await _started()
-        failed = await _collect(eng, _req("boom", POISON_STEP))
+        # Queued before the loop starts, so both land in the first step. "one" finishes inside
+        # that step before "boom" breaks it: its output is lost, so it must fail too rather
+        # than hang.
+        eng = _engine()
+        collecting = [asyncio.ensure_future(_collect(eng, _req(rid, n)))
+                      for rid, n in (("one", 1), ("boom", POISON_STEP))]
+        await asyncio.sleep(0)  # both requests are queued now
+        eng.start(asyncio.get_running_loop())
+        one, failed = await asyncio.gather(*collecting)
         assert failed[-1].finish_reason == "error" and "poisoned step" in failed[-1].error
+        assert one[-1].finish_reason == "error"
         assert eng.alive
         after = await _collect(eng, _req("after", 2))
         assert after[-1].finish_reason == "length"

@@ -257,6 +257,17 @@ def test_an_aborted_stream_frees_its_pages(server: GatewayServer) -> None:
     assert m['switchboard_sequences_finished_total{finish_reason="abort"}'] >= 1
 
 
+def test_a_client_gone_before_the_answer_frees_its_pages(server: GatewayServer) -> None:
+    _wait_pages_free(server)
+    aborted = _metrics(server).get('switchboard_sequences_finished_total{finish_reason="abort"}', 0)
+    body = {"model": server.model, "messages": CHAT, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting
+        httpx.post(server.base_url + "/chat/completions", json=body,
+                   headers=_headers(server.api_key), timeout=httpx.Timeout(60, read=1.5))
+    m = _wait_pages_free(server, timeout=30)
+    assert m['switchboard_sequences_finished_total{finish_reason="abort"}'] == aborted + 1
+
+
 def test_full_queue_answers_429_at_once(server: GatewayServer) -> None:
     async def one(http: httpx.AsyncClient) -> httpx.Response:
         body = {"model": server.model, "messages": CHAT, "max_tokens": 1}

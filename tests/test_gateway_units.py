@@ -4,6 +4,7 @@ planning. Milliseconds each."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,9 @@ def test_validation_errors_name_the_param() -> None:
          "messages[0].content[0]", "not supported"),
         ({"model": "m", "messages": msg, "top_logprobs": 2}, None, "requires logprobs"),
         ({"model": "m", "messages": msg, "stop": ["a", ""]}, "stop", "non-empty"),
+        ({"model": "m", "messages": msg, "stop": "x" * 513}, "stop", "at most"),
+        ({"model": "m", "messages": msg, "seed": 2**70}, "seed", "less than"),
+        ({"model": "m", "messages": msg, "top_k": 10**20}, "top_k", "less than"),
     ]
     for body, param, text in cases:
         err = _error(ChatCompletionRequest, body)
@@ -221,6 +225,14 @@ def test_plan_maps_engine_refusals_to_400() -> None:
     with pytest.raises(APIError, match="out of range"):
         plan_chat(bad, tok, _facts(), None)
 
+    class _StrictTemplate(_FakeHF):
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("roles must alternate")
+
+    with pytest.raises(APIError) as e:
+        plan_chat(body, GatewayTokenizer(_StrictTemplate()), _facts(), None)
+    assert e.value.status == 400 and "alternate" in e.value.message
+
 
 def test_extension_points_refuse_what_is_not_built_yet() -> None:
     def chat(**extra) -> ChatCompletionRequest:
@@ -240,3 +252,43 @@ def test_gateway_modules_do_not_import_torch() -> None:
     code = ("import sys, gateway.app, gateway.cli, gateway.server, engine.async_engine; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_serve_refuses_a_bad_config_or_model(tmp_path: Path) -> None:
+    def serve(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *flags],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    r = serve("--max-num-seqs", "0")
+    assert r.returncode == 2 and "max_num_seqs" in r.stderr
+    r = serve("--model", str(tmp_path / "missing"))
+    assert r.returncode == 1 and "unknown model path" in r.stderr
+
+
+def test_not_ready_answers_503_while_health_stays_live() -> None:
+    import asyncio
+
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.config import ServeConfig
+
+    app = create_app(ServeConfig(api_keys={"sk-k": "t"}))  # never started: the model never loads
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}]}
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            h = {"Authorization": "Bearer sk-k"}
+            return [await c.get("/health"), await c.get("/ready"),
+                    await c.post("/v1/chat/completions", json=body, headers=h),
+                    await c.post("/v1/chat/completions", json=body),
+                    await c.get("/v1/models", headers=h)]
+
+    health, ready, chat, no_key, models = asyncio.run(main())
+    assert health.status_code == 200 and models.status_code == 200
+    for r in (ready, chat):
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "model_not_ready"
+    assert no_key.status_code == 401 and no_key.headers["WWW-Authenticate"] == "Bearer"

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from sessions.radix_tree import InsertResult, RadixNode, RadixTree
 
@@ -119,7 +125,7 @@ def test_lru_order_of_eviction() -> None:
     assert tree.evict(1) == [4]  # B's node is the oldest leaf: it loses its tail page
     assert tree.evict(1) == [3]
     assert tree.evict(1) == [6]  # then A's [5, 6], older than A's [2]
-    assert tree.match(A, [0, 0, 3, 3, 3, 3]).pages == [1, 5]
+    assert tree.match(A, [0, 0, 3, 3, 3, 3])[:2] == (4, [1, 5])
     assert tree.evict(2) == [2, 5]  # the match above made [5] the newest
     assert tree.evict(5) == [1] and tree.evicted_pages == 6
 
@@ -200,13 +206,21 @@ class TreeMachine(RuleBasedStateMachine):
         self.release(freed)
         self.ref = {k: p for k, p in self.ref.items() if p not in set(freed)}
 
+    @initialize(warm=st.lists(st.tuples(st.sampled_from(NAMESPACES), TOKENS), max_size=5))
+    def warm_up(self, warm: list[tuple[Hashable, list[int]]]) -> None:
+        """Finished requests, so that the tree holds something from the first step."""
+        for ns, tokens in warm:
+            if req := self.start_one(ns, tokens):
+                self.insert_req(req, len(tokens) // self.page_size)
+                self.abort_req(req)
+
     @rule(ns=st.sampled_from(NAMESPACES), tokens=TOKENS, copies=st.integers(1, 3))
     def start(self, ns: Hashable, tokens: list[int], copies: int) -> None:
         """`copies` identical requests admitted together: none sees the others' pages."""
         for _ in range(copies):
             self.start_one(ns, tokens)
 
-    def start_one(self, ns: Hashable, tokens: list[int]) -> None:
+    def start_one(self, ns: Hashable, tokens: list[int]) -> Req | None:
         node, pages = self.check_match(ns, tokens)
         self.tree.lock(node)
         need = -(-len(tokens) // self.page_size) - len(pages)
@@ -214,17 +228,28 @@ class TreeMachine(RuleBasedStateMachine):
             self.do_evict(need - len(self.free))
         if need > len(self.free):
             self.tree.unlock(node)
-            return
+            return None
         new = [self.free.pop() for _ in range(need)]
         self.reqs.append(Req(ns, list(tokens), pages + new, set(new), node, len(pages)))
+        return self.reqs[-1]
 
     @precondition(lambda self: self.reqs)
-    @rule(data=st.data(), finish=st.booleans())
-    def insert(self, data: st.DataObject, finish: bool) -> None:
-        """A prefill chunk (the request goes on) or the end of the request."""
+    @rule(data=st.data(), finish=st.booleans(), session=st.booleans())
+    def insert(self, data: st.DataObject, finish: bool, session: bool) -> None:
+        """A prefill chunk (the request goes on) or the end of the request (a session pins)."""
         req = self.reqs[data.draw(st.integers(0, len(self.reqs) - 1))]
         n_full = len(req.tokens) // self.page_size
-        k = n_full if finish else data.draw(st.integers(req.committed, n_full))
+        res = self.insert_req(
+            req, n_full if finish else data.draw(st.integers(req.committed, n_full))
+        )
+        if finish:
+            if session:
+                self.tree.pin(res.last_node)
+                self.pins.append((res.last_node, res.pages))
+            self.abort_req(req)
+
+    def insert_req(self, req: Req, k: int) -> InsertResult:
+        """Insert the first `k` full pages; the request keeps running on the tree's pages."""
         res = self.tree.insert(req.ns, req.tokens[: k * self.page_size], req.table)
         assert len(res.pages) == k and res.num_cached % self.page_size == 0
         for i, page in enumerate(res.pages):
@@ -242,8 +267,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree.lock(res.last_node)
         self.tree.unlock(req.node)
         req.node, req.committed = res.last_node, k
-        if finish:
-            self.abort_req(req)
+        return res
 
     def abort_req(self, req: Req) -> None:
         self.tree.unlock(req.node)
@@ -259,7 +283,13 @@ class TreeMachine(RuleBasedStateMachine):
     def lookup(self, ns: Hashable, tokens: list[int]) -> None:
         self.check_match(ns, tokens)
 
-    @rule(n=st.integers(0, POOL))
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 1), max_size=4))
+    def lookup_cached(self, data: st.DataObject, tail: list[int]) -> None:
+        ns, prefix = data.draw(st.sampled_from(sorted(self.ref, key=repr)))
+        self.check_match(ns, [*prefix, *tail])
+
+    @rule(n=st.integers(0, 5) | st.just(POOL))
     def evict(self, n: int) -> None:
         self.do_evict(n)
 
@@ -321,8 +351,8 @@ TestTreeFuzzPage1 = TreeMachinePage1.TestCase
 TestTreeFuzzPage3 = TreeMachinePage3.TestCase
 for _case in (TestTreeFuzz, TestTreeFuzzPage1, TestTreeFuzzPage3):
     _case.settings = settings(
-        max_examples=100,
-        stateful_step_count=50,
+        max_examples=60,
+        stateful_step_count=40,
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow],
