@@ -16,14 +16,20 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
-        out = (llm.chat([{"role": "user", "content": args.prompt}], params)
-               if args.chat else llm.generate(args.prompt, params))[0]
+        out = (
+            llm.chat([{"role": "user", "content": args.prompt}], params)
+            if args.chat
+            else llm.generate(args.prompt, params)
+        )[0]
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids,
-                          "finish_reason": out.finish_reason}))
+        print(
+            json.dumps(
+                {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}
+            )
+        )
     else:
         print(out.text)
     return 0

@@ -63,7 +63,9 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab})", "prompt"
+            )
         if n + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "
@@ -116,7 +118,9 @@ class LLMEngine:
 
     def postprocess(self, batch: Batch, samples: list[SampleResult]) -> list[RequestOutput]:
         sampling = [s.request for s in batch.seqs if s.samples]
-        self.scheduler.update(batch, {r: s.token_id for r, s in zip(sampling, samples, strict=True)})
+        self.scheduler.update(
+            batch, {r: s.token_id for r, s in zip(sampling, samples, strict=True)}
+        )
         outputs = []
         for req, sample in zip(sampling, samples, strict=True):
             reason = self._check_stop(req, sample.token_id)

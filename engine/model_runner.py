@@ -15,9 +15,7 @@ from kernels.attention import AttentionMetadata, PrefillSeq
 
 
 class ModelRunner:
-    def __init__(
-        self, model: LlamaForCausalLM, num_pages: int, page_size: int, seed: int = 0
-    ):
+    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, seed: int = 0):
         self.model = model
         self.page_size = page_size
         cfg = model.cfg
@@ -25,8 +23,10 @@ class ModelRunner:
         shape = (num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded decode slots are read (with zero weight) and must be finite.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=w.dtype, device=w.device),
-             torch.zeros(shape, dtype=w.dtype, device=w.device))
+            (
+                torch.zeros(shape, dtype=w.dtype, device=w.device),
+                torch.zeros(shape, dtype=w.dtype, device=w.device),
+            )
             for _ in range(cfg.num_layers)
         ]
         self.device = w.device

@@ -22,8 +22,10 @@ class PrefillSeq:
     start: int
     num_new: int
     num_cached: int
-    slots: torch.Tensor | None  # [num_cached + num_new] slots of the whole context; None if no cache
-    mask: torch.Tensor | None  # [num_new, num_cached + num_new] bool, True = attend; None if no cache
+    # [num_cached + num_new] slots of the whole context; None when nothing is cached.
+    slots: torch.Tensor | None
+    # [num_new, num_cached + num_new] bool, True = attend; None when nothing is cached.
+    mask: torch.Tensor | None
 
 
 @dataclass

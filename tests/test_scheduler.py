@@ -14,7 +14,9 @@ def make(num_pages=64, page_size=4, seqs=8, budget=32):
 
 
 def req(rid, n, priority=0, max_tokens=8):
-    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, priority=priority))
+    return Request(
+        rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, priority=priority)
+    )
 
 
 def run_step(sched, token=7):

@@ -23,7 +23,10 @@ def test_greedy_equals_transformers(smollm2, hf_smollm2):
         ids = smollm2.tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             ref = hf_smollm2.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=24,
+                do_sample=False,
                 min_new_tokens=24,
             )
         assert out.token_ids == ref[0, ids.shape[1] :].tolist(), prompt
@@ -43,9 +46,13 @@ def _mixed_prompts(tokenizer, n: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def mixed(smollm2):
     prompts = _mixed_prompts(smollm2.tokenizer, 16)
-    params = [SamplingParams(max_tokens=6 + (i % 4) * 3, temperature=0, ignore_eos=True)
-              for i in range(16)]
-    alone = [smollm2.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    params = [
+        SamplingParams(max_tokens=6 + (i % 4) * 3, temperature=0, ignore_eos=True)
+        for i in range(16)
+    ]
+    alone = [
+        smollm2.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)
+    ]
     return prompts, params, alone
 
 
@@ -70,8 +77,9 @@ def test_chunked_prefill_and_preemption_equal_alone(smollm2_dir, mixed):
 def test_pages_all_free_after_abort(smollm2):
     eng = smollm2.engine
     for i in range(4):
-        eng.add_request(f"abort-{i}", [1, 2, 3, 4, 5] * (i + 1),
-                        SamplingParams(max_tokens=50, ignore_eos=True))
+        eng.add_request(
+            f"abort-{i}", [1, 2, 3, 4, 5] * (i + 1), SamplingParams(max_tokens=50, ignore_eos=True)
+        )
     eng.step()
     eng.step()
     assert eng.allocator.num_used > 0
@@ -85,11 +93,14 @@ def test_pages_all_free_after_abort(smollm2):
 
 
 def test_stop_strings_and_seeded_sampling(smollm2):
-    greedy = smollm2.generate("The capital of France is", SamplingParams(max_tokens=20, temperature=0))
+    greedy = smollm2.generate(
+        "The capital of France is", SamplingParams(max_tokens=20, temperature=0)
+    )
     text = greedy[0].text
     stop = text[3:9]  # a stop string that spans token boundaries
-    out = smollm2.generate("The capital of France is",
-                           SamplingParams(max_tokens=20, temperature=0, stop=[stop]))[0]
+    out = smollm2.generate(
+        "The capital of France is", SamplingParams(max_tokens=20, temperature=0, stop=[stop])
+    )[0]
     assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
 
     p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
@@ -100,8 +111,10 @@ def test_stop_strings_and_seeded_sampling(smollm2):
 
 
 def test_chat_and_logprobs(smollm2):
-    out = smollm2.chat([{"role": "user", "content": "What is 2+2?"}],
-                       SamplingParams(max_tokens=16, temperature=0, logprobs=3))[0]
+    out = smollm2.chat(
+        [{"role": "user", "content": "What is 2+2?"}],
+        SamplingParams(max_tokens=16, temperature=0, logprobs=3),
+    )[0]
     assert out.text and out.finish_reason in ("stop", "length")
     assert len(out.logprobs) == len(out.token_ids)
     for lp, tok in zip(out.logprobs, out.token_ids, strict=True):

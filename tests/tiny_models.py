@@ -20,17 +20,28 @@ def save_tiny(path: Path, kind: str = "llama", **overrides) -> Path:
 
     torch.manual_seed(0)
     common = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     )
     common.update(overrides)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "llama3":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                "rope_theta": 500000.0}
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
         model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
