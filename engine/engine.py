@@ -27,6 +27,8 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         self.model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)
         self.model = load_model(self.model_dir, DTYPES[cfg.dtype], cfg.device)
         try:

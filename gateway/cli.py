@@ -29,6 +29,7 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--dtype", "DTYPE", str, "float32 | bfloat16 | float16"),
     ("--device", "DEVICE", str, "cpu | cuda"),
     ("--seed", "N", int, "engine seed for unseeded sampling"),
+    ("--threads", "N", int, "torch CPU threads (default: torch's choice, one per core)"),
     ("--max-queue", "N", int, "sequences that may wait beyond a full batch before 429s"),
     ("--max-request-bytes", "N", int, "largest accepted request body"),
     ("--default-max-tokens", "N", int, "cap on max_tokens when a request leaves it out"),

@@ -71,6 +71,7 @@ class ServeConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     seed: int = 0
+    threads: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check_tenants(self) -> ServeConfig:
@@ -108,6 +109,7 @@ class ServeConfig(BaseModel):
             dtype=self.dtype,
             device=self.device,
             seed=self.seed,
+            threads=self.threads,
         )
 
 
