@@ -76,8 +76,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (both sides)")
     ap.add_argument("--out", type=Path, default=None, help="append a markdown table row here")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     from transformers import AutoModelForCausalLM

@@ -122,6 +122,12 @@ class AsyncEngine:
         immutable engine facts (vocab size, context length), so it is safe off-thread."""
         self._engine.validate(prompt_token_ids, params)
 
+    async def compile_grammar(self, spec: Any) -> None:
+        """Compile a constraint (or find it cached) before the request is queued; raises
+        `grammar.spec.GrammarError` when no backend can compile it. Thread-safe: the compiler
+        has its own lock and workers."""
+        await asyncio.wrap_future(self._engine.grammar.compile(spec))
+
     # -- requests (event loop side) -------------------------------------------------------
 
     @property

@@ -16,6 +16,7 @@ from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Batch, Scheduler
+from engine.structured import GrammarStage
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,15 @@ class LLMEngine:
         num_pages = cfg.num_pages or self._pages_for_budget(cfg.kv_cache_gb)
         self.max_model_len = min(cfg.max_model_len or mc.max_position, num_pages * cfg.page_size)
         self.allocator = PageAllocator(num_pages)
+        self.grammar = GrammarStage(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
         self.scheduler = Scheduler(
-            self.allocator, cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens
+            self.allocator,
+            cfg.page_size,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            is_ready=self.grammar.is_ready,
         )
-        self.runner = ModelRunner(self.model, num_pages, cfg.page_size, cfg.seed)
+        self.runner = ModelRunner(self.model, num_pages, cfg.page_size, cfg.seed, self.grammar)
         self._requests: dict[str, Request] = {}
 
     def _pages_for_budget(self, gb: float) -> int:
@@ -87,6 +93,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, tenant)
         req.output_state = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
+        self.grammar.submit(req)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -112,11 +119,23 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._fail_uncompilable()
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return outputs
         samples = self.runner.run(batch)
-        return self.postprocess(batch, samples)
+        return outputs + self.postprocess(batch, samples)
+
+    def _fail_uncompilable(self) -> list[RequestOutput]:
+        """Waiting requests whose grammar failed to compile end with that error."""
+        outputs = []
+        for req in list(self.scheduler.waiting):
+            error = GrammarStage.compile_error(req)
+            if error is not None:
+                req.error = error
+                self._finish(req, "error")
+                outputs.append(self._output(req, [], None))
+        return outputs
 
     def postprocess(self, batch: Batch, samples: list[SampleResult]) -> list[RequestOutput]:
         sampling = [s.request for s in batch.seqs if s.samples]
@@ -134,10 +153,17 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if req.output_state.add(token) is not None:
-            return "stop"
+        req.error = GrammarStage.accept(req, token)
+        if req.error:
+            return "error"
+        if (
+            token in p.stop_token_ids
+            or (not p.ignore_eos and token in self.eos_token_ids)
+            or GrammarStage.terminated(req)
+            or req.output_state.add(token) is not None
+        ):
+            req.error = GrammarStage.check(req, req.output_state.text)
+            return "error" if req.error else "stop"
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -158,4 +184,5 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=req.num_output_tokens,
             logprobs=logprobs,
+            error=req.error,
         )

@@ -158,4 +158,3 @@ def load_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalL
             raise ModelLoadError(f"checkpoint {folder} holds NaN or Inf weights")
     model.init_rope()  # after any dtype cast: the tables stay fp32
     return model.eval()
-

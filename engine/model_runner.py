@@ -11,12 +11,21 @@ import torch
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import Batch, ScheduledSeq
+from engine.structured import GrammarStage
 from kernels.attention import AttentionMetadata, PrefillSeq
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, seed: int = 0):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_pages: int,
+        page_size: int,
+        seed: int = 0,
+        grammar: GrammarStage | None = None,
+    ):
         self.model = model
+        self.grammar = grammar
         self.page_size = page_size
         cfg = model.cfg
         w = model.embed_tokens.weight
@@ -38,9 +47,11 @@ class ModelRunner:
         """One forward for the whole batch; returns a sample for each seq with `samples`."""
         seqs = sorted(batch.seqs, key=lambda s: s.num_new_tokens != 1)  # decodes first
         input_ids, positions, meta, sample_rows = self._prepare(seqs)
+        reqs = [s.request for s in seqs if s.samples]
+        masks = self.grammar.start_fill(reqs) if self.grammar else None  # overlaps the forward
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[sample_rows])
-        reqs = [s.request for s in seqs if s.samples]
+        GrammarStage.apply(logits, masks)
         samples = self.sampler(logits, reqs)
         by_req = dict(zip(reqs, samples, strict=True))
         return [by_req[s.request] for s in batch.seqs if s.samples]

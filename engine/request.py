@@ -36,10 +36,14 @@ class Request:
     pages: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
     arrival: int = field(default_factory=lambda: next(_arrival))
     num_preemptions: int = 0
     # Per-request state owned by the output stage (detokenizer, logprobs); opaque here.
     output_state: Any = None
+    # Structured output: the grammar compiling (a Future) until it is ready, then the matcher.
+    pending_grammar: Any = None
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from grammar.spec import ConstraintSpec, GrammarError, parse_constraint
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses before it enters the batch.
@@ -38,8 +40,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     priority: int = 0  # lower runs first; FCFS within a priority
-    # Constraint spec (response_format-shaped dict) and adapter name; used by later stages.
+    # Structured output: OpenAI's `response_format` or vLLM's `structured_outputs` dict, parsed
+    # into `constraint` at construction (or pass an already parsed `constraint`).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    constraint: ConstraintSpec | None = None
     adapter: str | None = None
 
     def __post_init__(self) -> None:
@@ -48,6 +53,11 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.constraint is None and (self.response_format or self.structured_outputs):
+            try:
+                self.constraint = parse_constraint(self.response_format, self.structured_outputs)
+            except GrammarError as e:
+                raise InvalidRequestError(e.message, e.param or "response_format") from None
         self.validate()
 
     @property

@@ -8,7 +8,7 @@ budget. A request whose KV catches up samples one token at the end of the step.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.page_allocator import PageAllocator
@@ -53,7 +53,9 @@ class Scheduler:
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        is_ready: Callable[[Request], bool] = lambda req: True,
     ):
+        self.is_ready = is_ready  # e.g. the request's grammar has compiled
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -106,13 +108,17 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # Then admit waiting requests while the budget, the seat count and the pages allow.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        # Then admit waiting requests while the budget, the seat count and the pages allow;
+        # requests that are not ready yet are skipped, not waited for.
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not self.is_ready(req):
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, req.num_computed_tokens + n):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             req.status = Status.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))

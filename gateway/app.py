@@ -34,6 +34,7 @@ from gateway.responses import ChatFormat, CompletionFormat
 from gateway.runtime import Runtime
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.sse import SSEResponse, stream_events
+from grammar.spec import GrammarError
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -49,8 +50,9 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         yield
         await rt.stop()
 
-    app = FastAPI(title="Switchboard", version="0.1.0", lifespan=lifespan, docs_url=None,
-                  redoc_url=None)
+    app = FastAPI(
+        title="Switchboard", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.runtime = rt
     install_error_handlers(app)
     app.add_middleware(RequestCounter, metrics=rt.metrics)
@@ -92,22 +94,29 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         return await _generate(request, tenant, body, "cmpl")
 
     async def _generate(
-        request: Request, tenant: str, body: ChatCompletionRequest | CompletionRequest,
+        request: Request,
+        tenant: str,
+        body: ChatCompletionRequest | CompletionRequest,
         prefix: str,
     ) -> Response:
         adapter = resolve_adapter(body.model, config.model_name, tenant)
-        resolve_constraint(body)
+        constraint = resolve_constraint(body)
         resolve_session(body, tenant)
         tok, facts = rt.require_ready()
+        if constraint is not None:  # a schema no backend compiles is a 400 now, not later
+            try:
+                await rt.engine.compile_grammar(constraint)
+            except GrammarError as e:
+                raise bad_request(e.message, e.param or "response_format") from None
         if isinstance(body, ChatCompletionRequest):
             jobs = plan_chat(body, tok, facts, adapter)
         else:
             jobs = plan_completion(body, tok, facts, adapter)
-        check_capacity(rt.engine.num_outstanding, len(jobs), config.max_num_seqs,
-                       config.max_queue)
+        check_capacity(rt.engine.num_outstanding, len(jobs), config.max_num_seqs, config.max_queue)
         ticket = rt.limiter.admit(tenant)
-        gen = Generation(rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket,
-                         rt.metrics)
+        gen = Generation(
+            rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket, rt.metrics
+        )
         try:
             gen.submit()
         except Exception:
@@ -135,8 +144,12 @@ async def _collect(
         gen.close()
     failed = [c for c in gen.ordered if c.finish_reason == "error"]
     if failed:
-        raise APIError(500, f"generation failed: {failed[0].error or 'engine error'}",
-                       "server_error", code="engine_error")
+        raise APIError(
+            500,
+            f"generation failed: {failed[0].error or 'engine error'}",
+            "server_error",
+            code="engine_error",
+        )
     return JSONResponse(fmt.body())
 
 
@@ -161,5 +174,9 @@ async def read_body(request: Request, schema: type[Body], limit: int) -> Body:
 
 
 def _model_card(config: ServeConfig, created: int) -> dict[str, Any]:
-    return {"id": config.model_name, "object": "model", "created": created,
-            "owned_by": "switchboard"}
+    return {
+        "id": config.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "switchboard",
+    }

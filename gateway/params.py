@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from gateway.errors import bad_request, model_not_found
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import GatewayTokenizer
+from grammar.spec import ConstraintSpec, GrammarError, parse_constraint
 
 
 @dataclass(frozen=True)
@@ -48,16 +48,15 @@ def resolve_adapter(requested: str, served: str, tenant: str) -> str | None:
     return None
 
 
-def resolve_constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
-    """The structured-output constraint of the request (None: free text)."""
-    fmt = body.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {fmt.get('type')!r} is not supported yet", "response_format"
-        )
+def resolve_constraint(body: ChatCompletionRequest | CompletionRequest) -> ConstraintSpec | None:
+    """The structured-output constraint of the request (None: free text); a malformed
+    `response_format` / `structured_outputs` is a 400 naming the problem."""
     if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice != "none":
         raise bad_request("tools are not supported yet", "tools")
-    return None
+    try:
+        return parse_constraint(body.response_format, body.structured_outputs)
+    except GrammarError as e:
+        raise bad_request(e.message, e.param or "response_format") from None
 
 
 def resolve_session(body: ChatCompletionRequest | CompletionRequest, tenant: str) -> None:
@@ -154,6 +153,8 @@ def _params(
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty or 1.0,
         logit_bias=bias,
+        response_format=body.response_format,
+        structured_outputs=body.structured_outputs,
         adapter=adapter,
     )
 

@@ -85,6 +85,7 @@ class _Generation(BaseModel):
 
     # Extension points, resolved (today: refused or ignored) in gateway/params.py.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extra field
     session_id: str | None = None
 
     @field_validator("stop")

@@ -61,7 +61,7 @@ class CompiledGrammar:
 
     spec: ConstraintSpec
     backend: str  # the backend that compiled it
-    compile_ms: float
+    compile_ms: float  # failed attempts, compiling and loading: the wait for a matcher
     _factory: Callable[[], Matcher]
 
     def matcher(self) -> Matcher:
@@ -88,7 +88,7 @@ class Backend(ABC):
 
 
 def make_backend(name: str, vocab: TokenVocab) -> Backend:
-    """The backend called `name` ("xgrammar" or "outlines")."""
+    """The backend called `name` (one of BACKEND_NAMES)."""
     if name == "xgrammar":
         from grammar.xgrammar_backend import XGrammarBackend
 
@@ -97,7 +97,11 @@ def make_backend(name: str, vocab: TokenVocab) -> Backend:
         from grammar.outlines_backend import OutlinesBackend
 
         return OutlinesBackend(vocab)
+    if name == "llguidance":
+        from grammar.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(vocab)
     raise ValueError(f"unknown grammar backend {name!r}; expected one of {BACKEND_NAMES}")
 
 
-BACKEND_NAMES = ("xgrammar", "outlines")  # the default fallback order
+BACKEND_NAMES = ("llguidance", "xgrammar", "outlines")  # the default fallback order

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +69,11 @@ class GrammarCompiler:
     def vocab_size(self) -> int:
         return self.vocab.vocab_size
 
+    @property
+    def worker_pids(self) -> list[int | None]:
+        """The compile subprocesses' pids (None: not running); for ops and tests."""
+        return [w.pid for w in self._workers]
+
     def submit(self, spec: ConstraintSpec) -> Future[CompiledGrammar]:
         """Start compiling `spec` (or find it in the cache); never blocks.
 
@@ -92,7 +98,8 @@ class GrammarCompiler:
         return self.submit(spec).result()
 
     def close(self) -> None:
-        """Stop the worker subprocesses; pending compilations finish first."""
+        """Stop the worker subprocesses: an in-flight compilation finishes, queued ones are
+        cancelled."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         for w in self._workers:
             w.stop()
@@ -106,14 +113,19 @@ class GrammarCompiler:
     def _compile(self, spec: ConstraintSpec) -> CompiledGrammar:
         worker = self._idle.get()
         try:
-            errors = []
+            errors, failed_ms = [], 0.0
             for name in self.backends:
+                t0 = time.perf_counter()
                 try:
                     artifact, ms = worker.compile(name, spec, self.timeout_s)
+                    t1 = time.perf_counter()
                     factory = self._loaders[name].load(artifact)
                 except Exception as e:  # BackendError, or an artifact that fails to load
                     errors.append(f"{name}: {e}")
+                    failed_ms += (time.perf_counter() - t0) * 1e3
                     continue
+                # The time to a usable grammar: failed attempts, compiling, and loading.
+                ms += failed_ms + (time.perf_counter() - t1) * 1e3
                 return CompiledGrammar(spec, name, ms, factory)
         finally:
             self._idle.put(worker)

@@ -28,7 +28,9 @@ class OutlinesMatcher(Matcher):
         self._terminated = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        r = bitmask[row]  # (W,) int32, contiguous
+        r = bitmask[row]  # (W,)
+        if r.device.type != "cpu" or r.dtype != torch.int32 or not r.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
         if self._terminated:
             r.zero_()
         else:
@@ -97,16 +99,41 @@ def to_regex(spec: ConstraintSpec) -> str:
         schema = spec.schema()
         schema = {} if schema is True else schema
         try:
-            return build_regex_from_schema(json.dumps(schema))
+            return ascii_digits(build_regex_from_schema(json.dumps(schema)))
         except ValueError as e:
             raise BackendError(str(e).splitlines()[0]) from e
     if spec.kind == "regex":
         assert isinstance(spec.payload, str)
-        return spec.payload
+        return ascii_digits(spec.payload)
     if spec.kind == "choice":
         assert isinstance(spec.payload, tuple)
         return "(" + "|".join(_escape(c) for c in spec.payload) + ")"
     raise BackendError(f"{spec.kind} constraints are not supported (regular languages only)")
+
+
+def ascii_digits(regex: str) -> str:
+    """Read `\\d` as [0-9], as ECMA-262 (JSON Schema's dialect) and xgrammar do; Rust's regex
+    would match every Unicode digit."""
+    out, depth, i = [], 0, 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            if nxt == "d":
+                out.append("0-9" if depth else "[0-9]")
+            elif nxt == "D" and not depth:
+                out.append("[^0-9]")
+            else:
+                out.append(c + nxt)
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+        elif c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _escape(s: str) -> str:

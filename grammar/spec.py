@@ -109,15 +109,17 @@ def parse_response_format(rf: Any) -> ConstraintSpec | None:
     if kind == "json_object":
         return ConstraintSpec("json_object", param=p)
     if kind == "json_schema":
-        js = rf.get("json_schema")
+        js, q = rf.get("json_schema"), f"{p}.json_schema"
         if not isinstance(js, dict):
-            raise GrammarError(f"{p}.json_schema must be an object", f"{p}.json_schema")
+            raise GrammarError(f"{q} must be an object", q)
         name = js.get("name")
         if name is not None and not isinstance(name, str):
-            raise GrammarError(f"{p}.json_schema.name must be a string", f"{p}.json_schema.name")
+            raise GrammarError(f"{q}.name must be a string", f"{q}.name")
+        if not isinstance(js.get("strict"), bool | None):
+            raise GrammarError(f"{q}.strict must be a boolean", f"{q}.strict")
         if "schema" not in js:
-            raise GrammarError(f"{p}.json_schema.schema is required", f"{p}.json_schema.schema")
-        return _json_schema_spec(js["schema"], f"{p}.json_schema.schema", name)
+            raise GrammarError(f"{q}.schema is required", f"{q}.schema")
+        return _json_schema_spec(js["schema"], f"{q}.schema", name)
     if kind == "regex":
         return ConstraintSpec("regex", _text(rf.get("regex"), f"{p}.regex"), param=f"{p}.regex")
     if kind == "grammar":
@@ -197,7 +199,7 @@ def check_json_schema(schema: dict[str, Any] | bool, param: str) -> None:
     """Check `schema` against its metaschema and that its local `$ref`s resolve."""
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
-        cls.check_schema(schema)
+        cls.check_schema(schema, format_checker=None)  # `pattern`s are ECMA-262, not Python
     except jsonschema.SchemaError as e:
         where = "/".join(str(x) for x in e.absolute_path) or "(root)"
         raise GrammarError(f"invalid JSON schema at {where}: {e.message}", param) from e

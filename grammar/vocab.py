@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -19,6 +19,8 @@ class TokenVocab:
 
     tokens: tuple[bytes, ...]  # (vocab_size,)
     stop_token_ids: tuple[int, ...]
+    # The HF `tokenizers` JSON, for backends that tokenize forced text (llguidance); optional.
+    tokenizer_json: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -54,4 +56,6 @@ class TokenVocab:
         special -= set(stop_token_ids)
         tokens = [b"" if i in special else t for i, t in enumerate(info.decoded_vocab)]
         tokens += [b""] * (vocab_size - len(tokens))
-        return cls(tuple(tokens[:vocab_size]), tuple(stop_token_ids))
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
+        tokenizer_json = backend.to_str() if backend is not None else None
+        return cls(tuple(tokens[:vocab_size]), tuple(stop_token_ids), tokenizer_json)

@@ -57,7 +57,6 @@ class CompileWorker:
         )
         theirs.close()
         self._conn, self._ready = Connection(ours.detach()), False
-        self._conn.send(self._vocab)
 
     def compile(self, backend: str, spec: ConstraintSpec, timeout_s: float) -> tuple[Any, float]:
         """Compile `spec` with `backend` in the child; return (artifact, compile_ms).
@@ -65,17 +64,14 @@ class CompileWorker:
         Raises BackendError on a compile error, after `timeout_s` of wall time, or when the
         child dies (e.g. over its memory cap); the child is then replaced on next use.
         """
-        if self._proc is None or self._proc.poll() is not None:
-            self.stop()
-            self.start()
+        self._ensure_ready()
         assert self._conn is not None
-        if not self._ready:
-            if not self._conn.poll(START_TIMEOUT_S):
-                self.stop()
-                raise BackendError(f"the compile worker did not start in {START_TIMEOUT_S:.0f}s")
-            self._receive()
-            self._ready = True
-        self._conn.send((backend, spec))
+        try:
+            self._conn.send((backend, spec))
+        except OSError:  # it died while idle; the spec is not to blame
+            self.stop()
+            self._ensure_ready()
+            self._conn.send((backend, spec))
         if not self._conn.poll(timeout_s):
             self.stop()
             raise BackendError(f"compilation took over the {timeout_s:g}s limit")
@@ -85,6 +81,31 @@ class CompileWorker:
         if status != "ok":
             raise BackendError(value)
         return value, ms
+
+    def _ensure_ready(self) -> None:
+        # An idle child never writes, so readable-while-idle means it closed (died).
+        dead = self._proc is None or self._proc.poll() is not None
+        if dead or (self._ready and self._conn is not None and self._conn.poll(0)):
+            self.stop()
+            self.start()
+        if not self._ready:  # handshake: "hello" once imported, vocab, "ready" once built
+            self._wait_for("hello")
+            assert self._conn is not None
+            try:
+                self._conn.send(self._vocab)  # the child is reading now: this does not block
+            except OSError:
+                self.stop()
+                raise BackendError("the compile worker died while starting") from None
+            self._wait_for("ready")
+            self._ready = True
+
+    def _wait_for(self, what: str) -> None:
+        assert self._conn is not None
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.stop()
+            raise BackendError(f"the compile worker did not start in {START_TIMEOUT_S:.0f}s")
+        status, _, _ = self._receive()
+        assert status == what, status
 
     def stop(self) -> None:
         """Kill the child (if any) and forget it."""
@@ -113,8 +134,15 @@ class CompileWorker:
 
 def serve(conn: Connection, memory_limit_mb: int) -> None:
     """The child: serve (backend, spec) requests on `conn` until the parent closes it."""
+    conn.send(("hello", None, 0.0))
     vocab: TokenVocab = conn.recv()
-    backends: dict[str, Backend] = {name: make_backend(name, vocab) for name in BACKEND_NAMES}
+    missing: dict[str, str] = {}
+    backends: dict[str, Backend] = {}
+    for name in BACKEND_NAMES:
+        try:
+            backends[name] = make_backend(name, vocab)
+        except ImportError as e:  # an optional library that is not installed
+            missing[name] = f"{name} is not installed ({e})"
     if memory_limit_mb:  # cap what compiling may add on top of the imports
         limit = _address_space_bytes() + (memory_limit_mb << 20)
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -125,15 +153,19 @@ def serve(conn: Connection, memory_limit_mb: int) -> None:
             name, spec = conn.recv()
         except (EOFError, OSError):
             return
+        if name not in backends:
+            conn.send(("error", missing.get(name, f"unknown backend {name!r}"), 0.0))
+            continue
         t0 = time.perf_counter()
         try:
             artifact = backends[name].compile(spec)
             conn.send(("ok", artifact, (time.perf_counter() - t0) * 1e3))
-        except MemoryError:
-            conn.send(("oom", f"compilation went over the {memory_limit_mb} MiB memory cap", 0.0))
-            return  # the heap may be in a bad state; the parent starts a fresh child
         except Exception as e:  # a backend's own errors have many types
-            conn.send(("error", str(e).splitlines()[0] if str(e) else type(e).__name__, 0.0))
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if isinstance(e, MemoryError) or "bad_alloc" in message:
+                conn.send(("oom", f"compilation went over the {memory_limit_mb} MiB cap", 0.0))
+                return  # the heap may be in a bad state; the parent starts a fresh child
+            conn.send(("error", message, 0.0))
 
 
 def _address_space_bytes() -> int:

@@ -81,6 +81,8 @@ BAD_RESPONSE_FORMATS = [
      "must be an object"),
     ({"type": "json_schema", "json_schema": {"schema": False}},
      "response_format.json_schema.schema", "no value can satisfy"),
+    ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}},
+     "response_format.json_schema.strict", "must be a boolean"),
     ({"type": "regex"}, "response_format.regex", "non-empty string"),
     ({"type": "regex", "regex": ""}, "response_format.regex", "non-empty string"),
     ({"type": "grammar", "grammar": 5}, "response_format.grammar", "non-empty string"),
@@ -139,6 +141,8 @@ def test_resolving_refs_and_data_that_looks_like_refs_are_fine():
         "properties": {"a": {"$ref": "#/$defs/A"}, "b": {"const": {"$ref": "#/nowhere"}}},
     }
     assert parse_structured_outputs({"json": schema}).schema() == schema
+    ecma = {"type": "string", "pattern": r"^\p{L}+$"}  # valid ECMA-262, not a Python regex
+    assert parse_structured_outputs({"json": ecma}).schema() == ecma
     draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"A": {}},
               "items": {"$ref": "#/definitions/A"}}  # fmt: skip
     assert parse_structured_outputs({"json": draft7}).kind == "json_schema"

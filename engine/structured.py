@@ -1,0 +1,122 @@
+"""Structured output as an engine stage: compile on admission, mask between logits and the
+sampler, advance on postprocess.
+
+Grammars compile in `grammar.GrammarCompiler`'s capped worker subprocesses; a request waits
+(`is_ready` false) until its grammar is compiled while the others keep running. Each step the
+bitmasks of the constrained rows are filled on a helper thread while the forward runs, then
+applied to those rows only.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from engine.request import Request
+from grammar.spec import GrammarError
+from grammar.validate import check_output
+from kernels.bitmask import apply_token_bitmask_inplace
+
+
+class GrammarStage:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._compiler: Any = None  # started on first use: its worker costs a subprocess
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            from grammar.compiler import GrammarCompiler
+
+            self._compiler = GrammarCompiler(
+                self.tokenizer, self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
+        return self._compiler
+
+    def compile(self, req_constraint) -> Future:
+        """Start compiling (or find in the cache); resolves or raises `GrammarError`."""
+        return self.compiler.submit(req_constraint)
+
+    # -- admission ------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        if req.params.constraint is not None:
+            req.pending_grammar = self.compile(req.params.constraint)
+
+    @staticmethod
+    def is_ready(req: Request) -> bool:
+        """The scheduler's predicate: no grammar, or a compiled one (then the matcher exists)."""
+        fut = req.pending_grammar
+        if fut is None:
+            return True
+        if not fut.done() or fut.exception() is not None:
+            return False
+        req.matcher = fut.result().matcher()
+        req.pending_grammar = None
+        return True
+
+    @staticmethod
+    def compile_error(req: Request) -> str | None:
+        """Why the request's grammar failed to compile, once it has failed."""
+        fut = req.pending_grammar
+        if fut is None or not fut.done() or fut.exception() is None:
+            return None
+        e = fut.exception()
+        return e.message if isinstance(e, GrammarError) else f"{type(e).__name__}: {e}"
+
+    # -- the mask stage -------------------------------------------------------------------
+
+    def start_fill(self, reqs: list[Request]) -> Future | None:
+        """Fill the bitmask rows of the constrained requests among `reqs` (the step's sampling
+        rows, in order) on the helper thread; None when none is constrained."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return None
+        return self._filler.submit(self._fill, [reqs[i].matcher for i in rows], rows, len(reqs))
+
+    def _fill(self, matchers: list[Any], rows: list[int], n: int):
+        words = -(-self.vocab_size // 32)
+        bitmask = torch.full((n, words), -1, dtype=torch.int32)  # (rows, vocab / 32)
+        for m, row in zip(matchers, rows, strict=True):
+            m.fill_bitmask(bitmask, row)
+        return bitmask, rows
+
+    @staticmethod
+    def apply(logits: torch.Tensor, filled: Future | None) -> None:
+        """Mask disallowed tokens of the constrained rows of `logits` [N, V] to -inf."""
+        if filled is None:
+            return
+        bitmask, rows = filled.result()
+        apply_token_bitmask_inplace(logits, bitmask.to(logits.device), rows)
+
+    # -- postprocess ----------------------------------------------------------------------
+
+    @staticmethod
+    def accept(req: Request, token: int) -> str | None:
+        """Advance the matcher; an error message if the grammar refuses the token."""
+        if req.matcher is None or req.matcher.accept(token):
+            return None
+        return f"the grammar refused sampled token {token}"
+
+    @staticmethod
+    def terminated(req: Request) -> bool:
+        return req.matcher is not None and req.matcher.is_terminated()
+
+    @staticmethod
+    def check(req: Request, text: str) -> str | None:
+        """None if a finished constrained output is valid, else why not. Backends relax some
+        keywords (uniqueItems, formats, ...), so this is the last line of defence."""
+        if req.params.constraint is None:
+            return None
+        why = check_output(req.params.constraint, text)
+        return None if why is None else f"the constrained output is invalid: {why}"
+
+    def close(self) -> None:
+        self._filler.shutdown(wait=False)
+        if self._compiler is not None:
+            self._compiler.close()

@@ -1,0 +1,167 @@
+"""llguidance: an Earley parser over a lazily built lexer. Exact on most JSON Schema keywords
+(it refuses the ones it does not implement instead of ignoring them), compiles in
+milliseconds, and reads regex, Lark and GBNF grammars too."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import llguidance as llg
+import torch
+from llguidance.gbnf_to_lark import any_to_lark
+
+from grammar.backend import Backend, BackendError, Matcher
+from grammar.spec import ConstraintSpec
+from grammar.vocab import TokenVocab
+
+# `lenient` would ignore unimplemented keywords: a silently wrong mask, so it stays off; the
+# fallback chain tries another backend instead. `coerce_one_of` reads oneOf as anyOf, which is
+# exact whenever the branches are disjoint (the usual case: tagged unions, distinct types);
+# jsonschema validation of the output catches the rest.
+JSON_OPTIONS: llg.JsonCompileOptions = {"coerce_one_of": True, "lenient": False}
+
+
+class _Vocab:
+    """What llg.LLTokenizer reads from a tokenizer object: bytes per id, the specials, and a
+    way to tokenize the text a grammar forces."""
+
+    def __init__(self, vocab: TokenVocab):
+        self.eos_token_id = vocab.stop_token_ids[0]
+        self.bos_token_id = None
+        # A 0xFF first byte marks a special token: it never matches grammar text.
+        stops = set(vocab.stop_token_ids)
+        self.tokens = [b"\xff" + t if i in stops else t for i, t in enumerate(vocab.tokens)]
+        self.special_token_ids = sorted(stops)
+        self.is_tokenizer_wrapper = True
+        self._hf = None
+        if vocab.tokenizer_json is not None:
+            from tokenizers import Tokenizer
+
+            self._hf = Tokenizer.from_str(vocab.tokenizer_json)
+        self._ids = {t: i for i, t in enumerate(vocab.tokens) if t and i not in stops}
+        self._longest = max(map(len, self._ids), default=1)
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        data = text.encode() if isinstance(text, str) else text
+        if self._hf is not None:
+            try:
+                return self._hf.encode(data.decode(), add_special_tokens=False).ids
+            except UnicodeDecodeError:
+                pass
+        return self._greedy(data)
+
+    def _greedy(self, data: bytes) -> list[int]:
+        """Longest-match tokenization: valid, if not always canonical."""
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                tid = self._ids.get(data[i : i + n])
+                if tid is not None:
+                    out.append(tid)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"no token for byte {data[i]:#x}")
+        return out
+
+
+def make_lltokenizer(vocab: TokenVocab) -> llg.LLTokenizer:
+    return llg.LLTokenizer(
+        _Vocab(vocab), n_vocab=vocab.vocab_size, eos_token=list(vocab.stop_token_ids)
+    )
+
+
+class LLGuidanceMatcher(Matcher):
+    """llguidance's matcher enters a sticky error state on a forbidden token, so `accept`
+    checks first; the stop token is tracked here so that `rollback` can undo it."""
+
+    def __init__(self, m: llg.LLMatcher, stop_token_ids: tuple[int, ...]):
+        self._m = m
+        self._stops = stop_token_ids
+        self._terminated = False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        r = bitmask[row]  # (W,)
+        if r.device.type != "cpu" or r.dtype != torch.int32 or not r.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        if self._terminated:
+            r.zero_()
+        else:
+            self._m.unsafe_compute_mask_ptr(r.data_ptr(), r.numel() * r.element_size())
+
+    def accept(self, token_id: int) -> bool:
+        if self._terminated:
+            return False
+        if token_id in self._stops:
+            if not self._m.is_accepting():
+                return False
+            self._terminated = True
+            return True
+        if self._m.validate_tokens([token_id]) != 1:
+            return False
+        return self._m.consume_token(token_id)
+
+    def rollback(self, n: int) -> None:
+        if n and self._terminated:
+            self._terminated, n = False, n - 1
+        if n:
+            self._m.rollback(n)
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def forced_continuation(self) -> str:
+        if self._terminated:
+            return ""
+        forced = self._m.compute_ff_bytes()
+        return forced.decode("utf-8", errors="ignore")  # drops a split trailing character
+
+
+class LLGuidanceBackend(Backend):
+    name = "llguidance"
+
+    def __init__(self, vocab: TokenVocab):
+        self._vocab = vocab
+        self.tokenizer = make_lltokenizer(vocab)  # ~0.5 s; before a worker caps its memory
+
+    def compile(self, spec: ConstraintSpec) -> str:
+        """Translate and check `spec`; the artifact is llguidance's grammar JSON text."""
+        grammar = to_llguidance(spec)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise BackendError(_first_line(messages[0]))
+        return grammar
+
+    def load(self, artifact: str) -> Callable[[], Matcher]:
+        template = llg.LLMatcher(self.tokenizer, artifact, log_level=0)
+        if template.is_error():
+            raise BackendError(_first_line(template.get_error()))
+        stops = self._vocab.stop_token_ids
+        return lambda: LLGuidanceMatcher(template.deep_copy(), stops)
+
+
+def to_llguidance(spec: ConstraintSpec) -> str:
+    """llguidance's grammar text for `spec`; BackendError when it cannot be translated."""
+    try:
+        if spec.kind in ("json_object", "json_schema"):
+            schema = spec.schema()
+            schema = {} if schema is True else schema
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+        if spec.kind == "regex":
+            assert isinstance(spec.payload, str)
+            return llg.LLMatcher.grammar_from_regex(spec.payload)
+        if spec.kind == "grammar":
+            assert isinstance(spec.payload, str)
+            return llg.LLMatcher.grammar_from_lark(any_to_lark(spec.payload))
+        if spec.kind == "choice":
+            assert isinstance(spec.payload, tuple)
+            lark = "start: " + " | ".join(json.dumps(c) for c in spec.payload)
+            return llg.LLMatcher.grammar_from_lark(lark)
+    except Exception as e:  # ValueError, or the GBNF converter's own errors
+        raise BackendError(_first_line(str(e) or type(e).__name__)) from e
+    raise BackendError(f"unknown constraint kind {spec.kind!r}")
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0][:500] if message.strip() else "unknown error"
