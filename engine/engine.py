@@ -16,6 +16,9 @@ from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Batch, Scheduler
+from lora.layers import wrap_model
+from lora.manager import AdapterManager, UnknownAdapter
+from lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,17 @@ class LLMEngine:
         num_pages = cfg.num_pages or self._pages_for_budget(cfg.kv_cache_gb)
         self.max_model_len = min(cfg.max_model_len or mc.max_position, num_pages * cfg.page_size)
         self.allocator = PageAllocator(num_pages)
+        dtype, device = DTYPES[cfg.dtype], self.model.embed_tokens.weight.device
+        slots = None
+        if cfg.max_loras:
+            slots = LoraSlots(mc, cfg.max_loras, cfg.max_lora_rank, dtype, device)
+        self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
+        lora = wrap_model(self.model, slots, self.adapters.slot_of) if slots else None
         self.scheduler = Scheduler(
-            self.allocator, cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens
+            self.allocator, cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            adapters=self.adapters,
         )
-        self.runner = ModelRunner(self.model, num_pages, cfg.page_size, cfg.seed)
+        self.runner = ModelRunner(self.model, num_pages, cfg.page_size, cfg.seed, lora=lora)
         self._requests: dict[str, Request] = {}
 
     def _pages_for_budget(self, gb: float) -> int:
@@ -86,6 +96,10 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, tenant)
+        try:
+            self.adapters.attach(req)
+        except UnknownAdapter:
+            raise InvalidRequestError(f"unknown adapter {params.adapter!r}", "model") from None
         req.output_state = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
         self._requests[request_id] = req
         self.scheduler.add(req)
@@ -112,11 +126,13 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        failed = [self._fail(req, why) for req, why in self.adapters.take_failed()]
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            self.adapters.wait_for_loads(0.05)  # only adapter reads can progress: don't spin
+            return failed
         samples = self.runner.run(batch)
-        return self.postprocess(batch, samples)
+        return failed + self.postprocess(batch, samples)
 
     def postprocess(self, batch: Batch, samples: list[SampleResult]) -> list[RequestOutput]:
         sampling = [s.request for s in batch.seqs if s.samples]
@@ -142,8 +158,15 @@ class LLMEngine:
             return "length"
         return None
 
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        self._finish(req, "error")
+        out = self._output(req, [], None)
+        out.error = why
+        return out
+
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
+        self.adapters.release(req)
         self.runner.sampler.release(req.request_id)
         self._requests.pop(req.request_id, None)
 
