@@ -335,6 +335,8 @@ class AdapterManager:
         assert self.store_dir is not None
         for folder in sorted(self.store_dir.glob("*/*/adapter_config.json")):
             folder = folder.parent
+            if folder.parent.name.startswith("."):
+                continue  # .staging: an upload interrupted before validation
             tenant = unquote(folder.parent.name)
             try:
                 adapter = self._read(folder, folder.name)
