@@ -117,6 +117,12 @@ class AsyncEngine:
     def model_dir(self) -> Any:
         return self._engine.model_dir
 
+    @property
+    def adapters(self) -> Any:
+        """The engine's LoRA adapter manager (its registry methods are thread-safe); None
+        before loading or for an engine without one."""
+        return getattr(self._engine, "adapters", None)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise `InvalidRequestError` now, before the request is queued. Reads only
         immutable engine facts (vocab size, context length), so it is safe off-thread."""

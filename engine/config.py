@@ -106,6 +106,12 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     threads: int | None = None  # torch CPU threads; None leaves torch's default
+    # Multi-LoRA: adapters resident in device slots (0: base model only), in host memory, the
+    # slot width (every adapter's rank must fit), and the upload store (None: no uploads).
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    max_lora_rank: int = 16
+    adapter_dir: Path | None = None
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
@@ -119,5 +125,9 @@ class EngineConfig:
             raise ValueError("num_pages must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -17,6 +17,9 @@ from engine.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Batch, Scheduler
 from engine.structured import GrammarStage
+from lora.layers import wrap_model
+from lora.manager import AdapterManager, UnknownAdapter
+from lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +48,23 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mc.max_position, num_pages * cfg.page_size)
         self.allocator = PageAllocator(num_pages)
         self.grammar = GrammarStage(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
+        dtype, device = DTYPES[cfg.dtype], self.model.embed_tokens.weight.device
+        slots = None
+        if cfg.max_loras:
+            slots = LoraSlots(mc, cfg.max_loras, cfg.max_lora_rank, dtype, device)
+        self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
+        lora = wrap_model(self.model, slots, self.adapters.slot_of) if slots else None
         self.scheduler = Scheduler(
             self.allocator,
             cfg.page_size,
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
+            adapters=self.adapters,
             is_ready=self.grammar.is_ready,
         )
-        self.runner = ModelRunner(self.model, num_pages, cfg.page_size, cfg.seed, self.grammar)
+        self.runner = ModelRunner(
+            self.model, num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora
+        )
         self._requests: dict[str, Request] = {}
 
     def _pages_for_budget(self, gb: float) -> int:
@@ -92,6 +104,10 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, tenant)
+        try:
+            self.adapters.attach(req)
+        except UnknownAdapter:
+            raise InvalidRequestError(f"unknown adapter {params.adapter!r}", "model") from None
         req.output_state = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
         self.grammar.submit(req)
         self._requests[request_id] = req
@@ -119,23 +135,23 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._fail_uncompilable()
+        failed = [self._fail(req, why) for req, why in self._not_startable()]
         batch = self.scheduler.schedule()
         if not batch:
-            return outputs
+            self.adapters.wait_for_loads(0.05)  # only adapter reads can progress: don't spin
+            return failed
         samples = self.runner.run(batch)
-        return outputs + self.postprocess(batch, samples)
+        return failed + self.postprocess(batch, samples)
 
-    def _fail_uncompilable(self) -> list[RequestOutput]:
-        """Waiting requests whose grammar failed to compile end with that error."""
-        outputs = []
-        for req in list(self.scheduler.waiting):
+    def _not_startable(self) -> list[tuple[Request, str]]:
+        """Waiting requests that can never start: their adapter failed to load, or their
+        grammar failed to compile."""
+        failed = list(self.adapters.take_failed())
+        for req in self.scheduler.waiting:
             error = GrammarStage.compile_error(req)
             if error is not None:
-                req.error = error
-                self._finish(req, "error")
-                outputs.append(self._output(req, [], None))
-        return outputs
+                failed.append((req, error))
+        return failed
 
     def postprocess(self, batch: Batch, samples: list[SampleResult]) -> list[RequestOutput]:
         sampling = [s.request for s in batch.seqs if s.samples]
@@ -168,8 +184,14 @@ class LLMEngine:
             return "length"
         return None
 
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        req.error = why
+        self._finish(req, "error")
+        return self._output(req, [], None)
+
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
+        self.adapters.release(req)
         self.runner.sampler.release(req.request_id)
         self._requests.pop(req.request_id, None)
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.messages import TokenLogprob
 from engine.sampling_params import InvalidRequestError, SamplingParams
+
+DEFAULT_TENANT = "default"  # the offline API's adapters belong to this tenant
 
 
 @dataclass
@@ -69,6 +72,20 @@ class LLM:
                     r.finish_reason = out.finish_reason
                     r.num_cached_tokens = out.num_cached_tokens
         return [results[rid] for rid in order]
+
+    def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> None:
+        """Register the PEFT LoRA folder at `path` as `name`; requests select it with
+        `SamplingParams(adapter=name)`. The folder is validated now and stays where it is.
+
+        Raises:
+            lora.adapter.AdapterError: naming every problem with the folder.
+            lora.manager.AdapterExists: `name` is taken (unload it first).
+        """
+        self.engine.adapters.add(DEFAULT_TENANT, name, path, pin=pin)
+
+    def unload_adapter(self, name: str) -> bool:
+        """Forget adapter `name`; False if there was none."""
+        return self.engine.adapters.remove(DEFAULT_TENANT, name)
 
     def chat(
         self,

@@ -13,6 +13,7 @@ from engine.sampler import Sampler, SampleResult
 from engine.scheduler import Batch, ScheduledSeq
 from engine.structured import GrammarStage
 from kernels.attention import AttentionMetadata, PrefillSeq
+from lora.layers import LoraContext
 
 
 class ModelRunner:
@@ -23,9 +24,11 @@ class ModelRunner:
         page_size: int,
         seed: int = 0,
         grammar: GrammarStage | None = None,
+        lora: LoraContext | None = None,
     ):
         self.model = model
         self.grammar = grammar
+        self.lora = lora  # set when the model's projections are LoRA-wrapped
         self.page_size = page_size
         cfg = model.cfg
         w = model.embed_tokens.weight
@@ -45,16 +48,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[SampleResult]:
         """One forward for the whole batch; returns a sample for each seq with `samples`."""
-        seqs = sorted(batch.seqs, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        seqs = sorted(batch.seqs, key=self._layout)
         input_ids, positions, meta, sample_rows = self._prepare(seqs)
         reqs = [s.request for s in seqs if s.samples]
         masks = self.grammar.start_fill(reqs) if self.grammar else None  # overlaps the forward
+        if self.lora is not None:
+            self.lora.begin_step([s.request for s in seqs], [s.num_new_tokens for s in seqs])
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[sample_rows])
         GrammarStage.apply(logits, masks)
         samples = self.sampler(logits, reqs)
         by_req = dict(zip(reqs, samples, strict=True))
         return [by_req[s.request] for s in batch.seqs if s.samples]
+
+    def _layout(self, s: ScheduledSeq) -> tuple[bool, int]:
+        """Decodes first; within them, one run per adapter slot (SGMV segments, not BGMV)."""
+        return s.num_new_tokens != 1, self.lora.slot_of(s.request) if self.lora else -1
 
     def _slots(self, pages: list[int], num_tokens: int) -> torch.Tensor:
         """Slots of a sequence's first `num_tokens` tokens."""

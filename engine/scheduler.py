@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.page_allocator import PageAllocator
 from engine.request import Request, Status
@@ -40,6 +41,18 @@ class Batch:
         return bool(self.seqs)
 
 
+class Admission(Protocol):
+    def can_admit(self, req: Request) -> bool:
+        """May `req` start now? (e.g. its LoRA adapter is resident). True may reserve what
+        the request needs until it finishes; False must not block the requests behind it."""
+        ...
+
+
+class AdmitAll:
+    def can_admit(self, req: Request) -> bool:
+        return True
+
+
 class Scheduler:
     """FCFS within priority (lower `params.priority` first).
 
@@ -53,10 +66,12 @@ class Scheduler:
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        adapters: Admission | None = None,
         is_ready: Callable[[Request], bool] = lambda req: True,
     ):
         self.is_ready = is_ready  # e.g. the request's grammar has compiled
         self.allocator = allocator
+        self.adapters = adapters or AdmitAll()
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -108,12 +123,13 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # Then admit waiting requests while the budget, the seat count and the pages allow;
-        # requests that are not ready yet are skipped, not waited for.
+        # Then admit waiting requests while the budget, the seat count and the pages allow.
+        # One that is not ready (grammar compiling, adapter not resident) is passed over: it
+        # waits, the others go ahead.
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if not self.is_ready(req):
+            if not self.is_ready(req) or not self.adapters.can_admit(req):
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, req.num_computed_tokens + n):

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from engine.async_engine import AsyncEngine
+from gateway.adapters import adapter_routes, model_card, model_cards
 from gateway.config import ServeConfig
 from gateway.errors import APIError, bad_request, from_validation, install_error_handlers, too_large
 from gateway.generation import Generation
@@ -75,13 +76,18 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
-    async def list_models(_: str = Depends(authenticate)) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(config, created)]}
+    async def list_models(tenant: str = Depends(authenticate)) -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(config, created),
+                                           *model_cards(rt, tenant)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
-        resolve_adapter(model, config.model_name, tenant)
-        return _model_card(config, created)
+        adapter = resolve_adapter(model, config.model_name, tenant, rt.engine.adapters)
+        if adapter is None:
+            return _model_card(config, created)
+        return model_card(rt.engine.adapters.get(tenant, adapter), config.model_name)
+
+    app.include_router(adapter_routes(rt, authenticate))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, tenant: str = Depends(authenticate)) -> Response:
@@ -99,7 +105,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         body: ChatCompletionRequest | CompletionRequest,
         prefix: str,
     ) -> Response:
-        adapter = resolve_adapter(body.model, config.model_name, tenant)
+        adapter = resolve_adapter(body.model, config.model_name, tenant, rt.engine.adapters)
         constraint = resolve_constraint(body)
         resolve_session(body, tenant)
         tok, facts = rt.require_ready()

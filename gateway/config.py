@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_cache_dir
 
 # Same name as engine.loader.EMBEDDED_NAME; that module imports torch, this one must not.
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -73,6 +73,19 @@ class ServeConfig(BaseModel):
     seed: int = 0
     threads: int | None = Field(None, ge=1)
 
+    # Multi-LoRA: device slots, host cache, slot rank, upload store and upload size limit.
+    max_loras: int = Field(4, ge=0)
+    max_cpu_loras: int = Field(16, ge=0)
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    adapter_dir: str | None = None  # None: <cache dir>/adapters
+    max_adapter_bytes: int = Field(256 * 2**20, ge=1024)
+
+    @model_validator(mode="after")
+    def _check_loras(self) -> ServeConfig:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
+        return self
+
     @model_validator(mode="after")
     def _check_tenants(self) -> ServeConfig:
         if self.api_keys is not None:
@@ -110,6 +123,10 @@ class ServeConfig(BaseModel):
             device=self.device,
             seed=self.seed,
             threads=self.threads,
+            max_loras=self.max_loras,
+            max_cpu_loras=self.max_cpu_loras,
+            max_lora_rank=self.max_lora_rank,
+            adapter_dir=Path(self.adapter_dir or default_cache_dir() / "adapters"),
         )
 
 

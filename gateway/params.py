@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from gateway.errors import bad_request, model_not_found
@@ -40,12 +41,16 @@ class EngineFacts:
 # -- extension points -------------------------------------------------------------------
 
 
-def resolve_adapter(requested: str, served: str, tenant: str) -> str | None:
-    """The adapter `model` names (None: the base model). Adapters come with the LoRA issue;
-    until then only the served base model exists."""
-    if requested != served:
-        raise model_not_found(requested)
-    return None
+def resolve_adapter(requested: str, served: str, tenant: str, adapters: Any = None) -> str | None:
+    """The adapter `model` names (None: the base model). `model` is the base model's name, an
+    adapter's name or `base:adapter`. Adapters belong to their tenant: another tenant's adapter
+    is as unknown (404) as one never uploaded. `adapters` is the engine's adapter manager."""
+    if requested == served:
+        return None
+    name = requested.removeprefix(served + ":")
+    if adapters is not None and adapters.get(tenant, name) is not None:
+        return name
+    raise model_not_found(requested)
 
 
 def resolve_constraint(body: ChatCompletionRequest | CompletionRequest) -> ConstraintSpec | None:

@@ -74,6 +74,7 @@ class CompileWorker:
             self._conn.send((backend, spec))
         if not self._conn.poll(timeout_s):
             self.stop()
+            self.start()  # the replacement imports while the caller moves on
             raise BackendError(f"compilation took over the {timeout_s:g}s limit")
         status, value, ms = self._receive()
         if status == "oom":

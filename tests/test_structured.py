@@ -44,7 +44,7 @@ def test_dev_set_outputs_validate_or_hit_length(smollm2):
     ]
     outs = smollm2.generate(["Answer in JSON:"] * len(cases), params)
     reasons = {"stop": 0, "length": 0, "error": 0}
-    for (name, schema), out in zip(cases, outs, strict=True):
+    for (_, schema), out in zip(cases, outs, strict=True):
         reasons[out.finish_reason] += 1
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)  # never invalid as "stop"

@@ -1,0 +1,195 @@
+"""`/v1/adapters`: each tenant uploads, lists, inspects and deletes its own LoRA adapters.
+
+Upload is a multipart form: field `name` and the PEFT folder's files as repeated `files` parts
+(`curl -F name=support-bot -F files=@adapter_config.json -F files=@adapter_model.safetensors`).
+The body is streamed under `--max-adapter-bytes` (413 beyond), the parts written to a staging
+folder inside the store, and the folder validated by the engine's adapter manager off the
+event loop; only a valid adapter is moved into the store and registered. A bad one answers 400
+naming every problem and leaves nothing behind; the tenant's other adapters are untouched.
+
+The engine's manager is used through its thread-safe registry methods (`add`, `remove`, `get`,
+`list`); this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from gateway.errors import APIError, bad_request, too_large
+from gateway.runtime import Runtime
+
+MAX_FILES = 16
+
+
+def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
+    router = APIRouter()
+    base = rt.config.model_name
+
+    @router.post("/v1/adapters")
+    async def upload(request: Request, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+        manager = require_manager(rt)
+        name, files = await _read_form(request, rt.config.max_adapter_bytes)
+        if manager.get(tenant, name) is not None:
+            raise _exists(name)
+        staging = _staging_dir(manager)
+        try:
+            for filename, upload in files:
+                with (staging / filename).open("wb") as out:
+                    await asyncio.to_thread(shutil.copyfileobj, upload.file, out)
+            info = await asyncio.to_thread(manager.add, tenant, name, staging, move=True)
+        except KeyError:  # AdapterExists: a concurrent upload of the same name won
+            raise _exists(name) from None
+        except ValueError as e:  # AdapterError: everything wrong with the folder
+            problems = getattr(e, "problems", [str(e)])
+            raise bad_request(
+                f"adapter {name!r} is invalid: " + "; ".join(problems), "files", "invalid_adapter"
+            ) from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            for _, upload in files:
+                await upload.close()
+        return adapter_object(info, base)
+
+    @router.get("/v1/adapters")
+    async def list_adapters(tenant: str = Depends(authenticate)) -> dict[str, Any]:
+        manager = require_manager(rt)
+        return {"object": "list", "data": [adapter_object(i, base) for i in manager.list(tenant)]}
+
+    @router.get("/v1/adapters/{name}")
+    async def get_adapter(name: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+        info = require_manager(rt).get(tenant, name)
+        if info is None:
+            raise _unknown(name)
+        return adapter_object(info, base)
+
+    @router.delete("/v1/adapters/{name}")
+    async def delete_adapter(name: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+        if not await asyncio.to_thread(require_manager(rt).remove, tenant, name):
+            raise _unknown(name)
+        return {"id": name, "object": "adapter", "deleted": True}
+
+    register_metrics(rt.metrics.registry, lambda: rt.engine.adapters)
+    return router
+
+
+def require_manager(rt: Runtime) -> Any:
+    rt.require_ready()
+    manager = rt.engine.adapters
+    if manager is None:
+        raise APIError(501, "this server does not serve LoRA adapters", code="adapters_disabled")
+    return manager
+
+
+def model_cards(rt: Runtime, tenant: str) -> list[dict[str, Any]]:
+    """`/v1/models` entries for the tenant's adapters (none before the engine is loaded)."""
+    manager = rt.engine.adapters if rt.ready else None
+    if manager is None:
+        return []
+    return [model_card(info, rt.config.model_name) for info in manager.list(tenant)]
+
+
+def model_card(info: Any, base: str) -> dict[str, Any]:
+    return {"id": info.name, "object": "model", "created": info.created,
+            "owned_by": info.tenant, "parent": base, "root": base}
+
+
+def adapter_object(info: Any, base: str) -> dict[str, Any]:
+    return {
+        "id": info.name, "object": "adapter", "created": info.created, "owned_by": info.tenant,
+        "parent": base, "rank": info.rank, "target_modules": list(info.target_modules),
+        "bytes": info.num_bytes, "pinned": info.pinned, "tier": info.tier,
+    }
+
+
+async def _read_form(request: Request, limit: int) -> tuple[str, list[tuple[str, UploadFile]]]:
+    """The form's `name` and its `files` parts (safe file names), the body capped at `limit`."""
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise bad_request("upload an adapter as multipart/form-data: field 'name' and the "
+                          "folder's files as repeated 'files' parts")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(limit)
+
+    async def capped() -> AsyncIterator[bytes]:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            yield chunk
+
+    parser = MultiPartParser(request.headers, capped(), max_files=MAX_FILES, max_fields=4)
+    try:
+        form = await parser.parse()
+    except MultiPartException as e:
+        raise bad_request(f"invalid multipart body: {e.message}") from None
+    name = form.get("name")
+    uploads = [f for f in form.getlist("files") if isinstance(f, UploadFile)]
+    if not isinstance(name, str) or not name:
+        raise bad_request("missing form field 'name' (the adapter's name)", "name")
+    if not uploads:
+        raise bad_request("no 'files' parts: upload adapter_config.json and "
+                          "adapter_model.safetensors as repeated 'files' parts", "files")
+    files: list[tuple[str, UploadFile]] = []
+    for upload in uploads:
+        filename = Path(upload.filename or "").name
+        if filename in ("", ".", "..") or filename in (f for f, _ in files):
+            raise bad_request(f"bad or repeated file name {upload.filename!r}", "files")
+        files.append((filename, upload))
+    return name, files
+
+
+def _staging_dir(manager: Any) -> Path:
+    """A fresh folder inside the store (same file system, so registering is a rename)."""
+    path = Path(manager.store_dir) / ".staging" / uuid.uuid4().hex
+    path.mkdir(parents=True)
+    return path
+
+
+def _exists(name: str) -> APIError:
+    return APIError(409, f"adapter {name!r} already exists; delete it first", param="name",
+                    code="adapter_exists")
+
+
+def _unknown(name: str) -> APIError:
+    return APIError(404, f"The adapter '{name}' does not exist.", code="adapter_not_found")
+
+
+class _AdapterCollector:
+    """Prometheus view of the manager's counters, read at scrape time."""
+
+    def __init__(self, manager: Callable[[], Any]) -> None:
+        self.manager = manager
+
+    def collect(self) -> Any:
+        loads = CounterMetricFamily(
+            "switchboard_adapter_loads", "LoRA adapter loads into a tier (host: read from "
+            "disk; device: copied into a slot)", labels=["tier"])
+        evictions = CounterMetricFamily(
+            "switchboard_adapter_evictions", "LoRA adapters evicted from a tier (LRU)",
+            labels=["tier"])
+        resident = GaugeMetricFamily(
+            "switchboard_adapters_resident", "LoRA adapters held in a tier now", labels=["tier"])
+        manager = self.manager()
+        if manager is not None:
+            for tier in ("host", "device"):
+                loads.add_metric([tier], manager.stats.loads[tier])
+                evictions.add_metric([tier], manager.stats.evictions[tier])
+            for tier, n in manager.num_resident.items():
+                resident.add_metric([tier], n)
+        yield from (loads, evictions, resident)
+
+
+def register_metrics(registry: CollectorRegistry, manager: Callable[[], Any]) -> None:
+    registry.register(_AdapterCollector(manager))

@@ -1,0 +1,64 @@
+"""LoRA as a wrapper: each fused projection of the base model becomes `LoraLinear(base)`.
+
+The wrapped linear runs the base projection, then adds every token's own adapter delta
+through `LoraSlots.apply` with the step's `LoraBatchInfo`. The model runner builds that info
+once per step (`LoraContext.begin_step`); a step where no token has an adapter sets none, and
+every wrapper then costs one attribute check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lora.batch import LoraBatchInfo
+from lora.slots import LoraSlots
+
+
+class LoraContext:
+    """What every `LoraLinear` of one model shares: the slots and the current step's info."""
+
+    def __init__(self, slots: LoraSlots, slot_of: Callable[[Any], int]) -> None:
+        self.slots = slots
+        self.slot_of = slot_of  # request -> adapter slot, -1 for the base model
+        self.info: LoraBatchInfo | None = None
+        self.device = slots.scales.device
+
+    def begin_step(self, requests: Sequence[Any], num_tokens: Sequence[int]) -> None:
+        """`requests[i]` contributes `num_tokens[i]` tokens, in the step's token order."""
+        slots = [self.slot_of(r) for r in requests]
+        if all(s < 0 for s in slots):
+            self.info = None  # base-only step: skip all LoRA work
+        else:
+            self.info = LoraBatchInfo.build(slots, num_tokens, self.device)
+
+
+class LoraLinear(nn.Module):
+    """`y = base(x) + LoRA(x)`, each token with its own adapter slot."""
+
+    def __init__(self, base: nn.Linear, ctx: LoraContext, layer: int, fused: str) -> None:
+        super().__init__()
+        self.base, self.ctx, self.layer, self.fused = base, ctx, layer, fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)  # (num_tokens, out_features)
+        info = self.ctx.info
+        if info is not None:
+            self.ctx.slots.apply(y, x, self.layer, self.fused, info)
+        return y
+
+
+def wrap_model(model: nn.Module, slots: LoraSlots, slot_of: Callable[[Any], int]) -> LoraContext:
+    """Wrap the four fused projections of every decoder layer of `model` in place (after
+    its weights are loaded); returns the context the model runner drives."""
+    ctx = LoraContext(slots, slot_of)
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = LoraLinear(attn.qkv_proj, ctx, i, "qkv_proj")
+        attn.o_proj = LoraLinear(attn.o_proj, ctx, i, "o_proj")
+        mlp.gate_up_proj = LoraLinear(mlp.gate_up_proj, ctx, i, "gate_up_proj")
+        mlp.down_proj = LoraLinear(mlp.down_proj, ctx, i, "down_proj")
+    return ctx

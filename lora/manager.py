@@ -1,0 +1,362 @@
+"""The adapter manager: per-tenant registry name -> adapter, over three tiers.
+
+    device  `LoraSlots`: `max_loras` adapters in the stacked buffers the forward reads;
+    host    up to `max_cpu_loras` validated `LoraAdapter`s in memory (LRU);
+    disk    the adapter's folder: the store directory (uploads) or the caller's own path.
+
+A request's adapter, from the engine thread:
+
+    attach(req)     at add_request: bind the request to (tenant, adapter) or raise.
+    can_admit(req)  the scheduler's one predicate. True once the adapter sits in a device slot;
+                    that slot is then pinned until release(req). Otherwise it starts reading
+                    the folder in a background thread (never on the step loop) and answers
+                    False: the request waits and the others go ahead.
+    slot_of(req)    the slot the model runner puts in `LoraBatchInfo` (-1: base model).
+    release(req)    at finish or abort: unpin.
+
+Eviction is LRU among unpinned adapters in both tiers. A slot is pinned while an admitted
+request uses it; `pin=True` adapters are never evicted (at most `max_loras - 1` of them, so one
+slot always rotates). `add` / `remove` / `get` / `list` come from other threads (the gateway);
+one lock guards all state. Weights are copied host -> device only on the engine thread, inside
+`can_admit`, that is between forwards.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote, unquote
+
+import torch
+
+from lora.adapter import AdapterError, LoraAdapter, load_adapter
+from lora.slots import LoraSlots
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
+    from engine.request import Request
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class AdapterExists(KeyError):
+    """The tenant already has an adapter of that name."""
+
+
+class UnknownAdapter(KeyError):
+    """No adapter of that name for that tenant."""
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What the registry tells about one adapter (the gateway's JSON)."""
+
+    name: str
+    tenant: str
+    rank: int
+    target_modules: tuple[str, ...]
+    num_bytes: int
+    created: int
+    pinned: bool
+    tier: str  # "device" | "host" | "disk": the fastest tier holding it now
+
+
+@dataclass(eq=False)
+class _Entry:
+    tenant: str
+    name: str
+    path: Path
+    owned: bool  # the folder is in our store: delete it on removal
+    rank: int
+    target_modules: tuple[str, ...]
+    num_bytes: int
+    pinned: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    removed: bool = False
+    adapter: LoraAdapter | None = None  # host tier
+    loading: Future[LoraAdapter] | None = None  # disk -> host read in flight
+    slot: int | None = None  # device tier
+    active: int = 0  # admitted requests using the slot (pins it)
+
+
+@dataclass
+class AdapterStats:
+    """Counters for metrics; plain ints, read from any thread."""
+
+    loads: dict[str, int] = field(default_factory=lambda: {"host": 0, "device": 0})
+    evictions: dict[str, int] = field(default_factory=lambda: {"host": 0, "device": 0})
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        base: ModelConfig,
+        slots: LoraSlots | None,
+        max_cpu_loras: int,
+        store_dir: Path | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """`slots=None` serves the base model only (`--max-loras 0`): adapters are refused."""
+        self.base, self.slots, self.store_dir, self.dtype = base, slots, store_dir, dtype
+        self.max_loras = slots.num_slots if slots is not None else 0
+        self.max_rank = slots.max_rank if slots is not None else 0
+        self.max_cpu_loras = max(max_cpu_loras, self.max_loras)
+        self.stats = AdapterStats()
+        self._lock = threading.RLock()
+        self._registry: dict[tuple[str, str], _Entry] = {}
+        self._host: OrderedDict[_Entry, None] = OrderedDict()  # LRU first
+        self._owner: list[_Entry | None] = [None] * self.max_loras  # slot -> entry
+        self._slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.max_loras))
+        self._attached: dict[Request, _Entry] = {}
+        self._admitted: set[Request] = set()
+        self._failed: list[tuple[Request, str]] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        if store_dir is not None:
+            self._scan_store()
+
+    # -- registry (any thread) ----------------------------------------------------------------
+
+    def add(
+        self, tenant: str, name: str, path: str | Path, *, move: bool = False, pin: bool = False
+    ) -> AdapterInfo:
+        """Validate the PEFT folder at `path` and register it as `name` for `tenant`.
+
+        `move=True` moves the folder into the store directory (uploads); otherwise the folder
+        stays where it is and is read from there whenever the host cache lost it. Validation
+        happens before anything is registered, so a bad adapter leaves no trace.
+        Raises:
+            AdapterError: every problem with the folder or the name.
+            AdapterExists: the tenant already has `name`.
+        """
+        self._check_name(name)
+        if pin and sum(e.pinned for e in self._registry.values()) + 1 >= max(self.max_loras, 1):
+            raise AdapterError(name, [f"at most {self.max_loras - 1} adapters may be pinned"])
+        if self.get(tenant, name) is not None:
+            raise AdapterExists(name)
+        adapter = self._read(Path(path), name)
+        with self._lock:
+            if (tenant, name) in self._registry:
+                raise AdapterExists(name)
+            folder, owned = Path(path), False
+            if move:
+                folder, owned = self._store_path(tenant, name), True
+                shutil.rmtree(folder, ignore_errors=True)  # leftover of a crash, unregistered
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(path, folder)
+            entry = _entry(tenant, name, folder, owned, adapter, pin)
+            self._registry[(tenant, name)] = entry
+            self._host_put(entry, adapter)
+            return self._info(entry)
+
+    def remove(self, tenant: str, name: str) -> bool:
+        """Unregister; requests already admitted with it finish normally, waiting ones fail.
+        Returns False when the tenant has no such adapter."""
+        with self._lock:
+            entry = self._registry.pop((tenant, name), None)
+            if entry is None:
+                return False
+            entry.removed = True
+            self._host.pop(entry, None)
+            entry.adapter = None
+            if entry.owned:
+                shutil.rmtree(entry.path, ignore_errors=True)
+            for req, e in self._attached.items():
+                if e is entry and req not in self._admitted:
+                    self._failed.append((req, f"adapter {name!r} was deleted"))
+            return True
+
+    def get(self, tenant: str, name: str) -> AdapterInfo | None:
+        with self._lock:
+            entry = self._registry.get((tenant, name))
+            return None if entry is None else self._info(entry)
+
+    def list(self, tenant: str) -> list[AdapterInfo]:
+        with self._lock:
+            entries = [e for (t, _), e in self._registry.items() if t == tenant]
+            return [self._info(e) for e in sorted(entries, key=lambda e: (e.created, e.name))]
+
+    @property
+    def num_resident(self) -> dict[str, int]:
+        """Adapters held per tier now."""
+        return {
+            "device": sum(e is not None and not e.removed for e in self._owner),
+            "host": len(self._host),
+        }
+
+    # -- requests (engine thread) -------------------------------------------------------------
+
+    def attach(self, req: Request) -> None:
+        """Bind `req` to its adapter (`req.params.adapter`, of `req.tenant`); no-op for base.
+        Raises UnknownAdapter."""
+        name = req.params.adapter
+        if name is None:
+            return
+        with self._lock:
+            entry = self._registry.get((req.tenant, name))
+            if entry is None:
+                raise UnknownAdapter(name)
+            self._attached[req] = entry
+
+    def can_admit(self, req: Request) -> bool:
+        """True when `req` may run now: base, or its adapter is in a device slot (which stays
+        pinned until `release(req)`). False starts what is missing in the background."""
+        entry = self._attached.get(req)
+        if entry is None or req in self._admitted:
+            return True
+        with self._lock:
+            if entry.slot is None and not self._make_resident(entry):
+                return False
+            self._admitted.add(req)
+            entry.active += 1
+            self._slot_lru.move_to_end(entry.slot)  # type: ignore[arg-type]
+            if entry.adapter is not None:
+                self._host.move_to_end(entry)
+            return True
+
+    def slot_of(self, req: Request) -> int:
+        entry = self._attached.get(req)
+        return -1 if entry is None or entry.slot is None else entry.slot
+
+    def release(self, req: Request) -> None:
+        with self._lock:
+            entry = self._attached.pop(req, None)
+            if entry is not None and req in self._admitted:
+                self._admitted.discard(req)
+                entry.active -= 1
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        """Attached requests whose adapter cannot be loaded any more (deleted, or its folder
+        became unreadable); the engine fails them."""
+        if not self._failed:
+            return []
+        with self._lock:
+            failed, self._failed = dict(self._failed), []
+            return [(r, why) for r, why in failed.items() if r in self._attached]
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until a background read finishes (at most `timeout` s); return at once when
+        none is in flight. The engine calls this instead of spinning on an empty step."""
+        with self._lock:
+            pending = [e.loading for e in self._registry.values() if e.loading is not None]
+        if pending:
+            wait_futures(pending, timeout, return_when="FIRST_COMPLETED")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- tiers (under the lock) ---------------------------------------------------------------
+
+    def _make_resident(self, entry: _Entry) -> bool:
+        """Try to put `entry` into a device slot now; start a disk read if it is not in host
+        memory. True when it is resident."""
+        if entry.adapter is None:
+            if entry.loading is None:
+                entry.loading = self._pool.submit(self._read, entry.path, entry.name)
+                return False
+            if not entry.loading.done():
+                return False
+            future, entry.loading = entry.loading, None
+            try:
+                self._host_put(entry, future.result())
+            except Exception as e:  # noqa: BLE001 - any failure fails its requests
+                problems = e.problems if isinstance(e, AdapterError) else [str(e)]
+                why = f"adapter {entry.name!r} can no longer be loaded: {'; '.join(problems)}"
+                self._failed += [(r, why) for r, x in self._attached.items() if x is entry]
+                return False
+        slot = self._free_slot()
+        if slot is None:
+            return False
+        old = self._owner[slot]
+        if old is not None:
+            old.slot = None
+            if not old.removed:
+                self.stats.evictions["device"] += 1
+        assert self.slots is not None and entry.adapter is not None
+        self.slots.load(slot, entry.adapter)
+        self._owner[slot], entry.slot = entry, slot
+        self.stats.loads["device"] += 1
+        return True
+
+    def _free_slot(self) -> int | None:
+        """An empty slot, else the least recently used one nobody pins."""
+        for slot, owner in enumerate(self._owner):
+            if owner is None or (owner.removed and owner.active == 0):
+                return slot
+        for slot in self._slot_lru:
+            owner = self._owner[slot]
+            if owner is not None and owner.active == 0 and not owner.pinned:
+                return slot
+        return None
+
+    def _host_put(self, entry: _Entry, adapter: LoraAdapter) -> None:
+        entry.adapter = adapter
+        self._host[entry] = None
+        self._host.move_to_end(entry)
+        self.stats.loads["host"] += 1
+        while len(self._host) > self.max_cpu_loras:
+            victim = next((e for e in self._host if not e.pinned and e is not entry), None)
+            if victim is None:
+                break
+            del self._host[victim]
+            victim.adapter = None
+            self.stats.evictions["host"] += 1
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _read(self, path: Path, name: str) -> LoraAdapter:
+        """disk -> host: read and validate (runs in the loader thread or the caller's)."""
+        if self.slots is None:
+            raise AdapterError(name, ["LoRA is disabled on this server (--max-loras 0)"])
+        return load_adapter(path, self.base, max_rank=self.max_rank, name=name, dtype=self.dtype)
+
+    def _check_name(self, name: str) -> None:
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise AdapterError(
+                str(name),
+                [f"adapter name {name!r} must be 1-64 characters of letters, digits, '.', '_' "
+                 "or '-', starting with a letter or digit"],
+            )
+
+    def _store_path(self, tenant: str, name: str) -> Path:
+        if self.store_dir is None:
+            raise AdapterError(name, ["this engine has no adapter store directory"])
+        return self.store_dir / quote(tenant, safe="").replace(".", "%2E") / name
+
+    def _scan_store(self) -> None:
+        """Register the adapters uploaded before a restart (validated again, lazily cached)."""
+        assert self.store_dir is not None
+        for folder in sorted(self.store_dir.glob("*/*/adapter_config.json")):
+            folder = folder.parent
+            if folder.parent.name.startswith("."):
+                continue  # .staging: an upload interrupted before validation
+            tenant = unquote(folder.parent.name)
+            try:
+                adapter = self._read(folder, folder.name)
+            except AdapterError:
+                continue  # written by another version or damaged: not served
+            entry = _entry(tenant, folder.name, folder, True, adapter, False)
+            self._registry[(tenant, folder.name)] = entry
+            self._host_put(entry, adapter)
+
+    def _info(self, e: _Entry) -> AdapterInfo:
+        tier = "device" if e.slot is not None else "host" if e.adapter is not None else "disk"
+        return AdapterInfo(
+            e.name, e.tenant, e.rank, e.target_modules, e.num_bytes, e.created, e.pinned, tier
+        )
+
+
+def _entry(
+    tenant: str, name: str, path: Path, owned: bool, adapter: LoraAdapter, pinned: bool
+) -> _Entry:
+    return _Entry(
+        tenant, name, path, owned, adapter.rank, tuple(sorted(adapter.target_modules)),
+        adapter.num_bytes, pinned,
+    )
