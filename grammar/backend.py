@@ -97,11 +97,11 @@ def make_backend(name: str, vocab: TokenVocab) -> Backend:
         from grammar.outlines_backend import OutlinesBackend
 
         return OutlinesBackend(vocab)
-    if name == "llguidance":
+    if name in ("llguidance", "llguidance-lenient"):
         from grammar.llguidance_backend import LLGuidanceBackend
 
-        return LLGuidanceBackend(vocab)
+        return LLGuidanceBackend(vocab, lenient=name == "llguidance-lenient")
     raise ValueError(f"unknown grammar backend {name!r}; expected one of {BACKEND_NAMES}")
 
 
-BACKEND_NAMES = ("llguidance", "xgrammar", "outlines")  # the default fallback order
+BACKEND_NAMES = ("llguidance", "xgrammar", "outlines", "llguidance-lenient")  # the default fallback order

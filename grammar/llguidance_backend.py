@@ -5,14 +5,16 @@ milliseconds, and reads regex, Lark and GBNF grammars too."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
+from typing import Any
 
 import llguidance as llg
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from grammar.backend import Backend, BackendError, Matcher
-from grammar.spec import ConstraintSpec
+from grammar.spec import DATA_KEYWORDS, ConstraintSpec
 from grammar.vocab import TokenVocab
 
 # `lenient` would ignore unimplemented keywords: a silently wrong mask, so it stays off; the
@@ -20,6 +22,7 @@ from grammar.vocab import TokenVocab
 # exact whenever the branches are disjoint (the usual case: tagged unions, distinct types);
 # jsonschema validation of the output catches the rest.
 JSON_OPTIONS: llg.JsonCompileOptions = {"coerce_one_of": True, "lenient": False}
+MAX_UNKNOWN_FORMATS = 8
 
 
 class _Vocab:
@@ -121,17 +124,31 @@ class LLGuidanceMatcher(Matcher):
 class LLGuidanceBackend(Backend):
     name = "llguidance"
 
-    def __init__(self, vocab: TokenVocab):
+    def __init__(self, vocab: TokenVocab, *, lenient: bool = False):
         self._vocab = vocab
+        self.options: llg.JsonCompileOptions = {**JSON_OPTIONS, "lenient": lenient}
+        self.name = "llguidance-lenient" if lenient else "llguidance"
         self.tokenizer = make_lltokenizer(vocab)  # ~0.5 s; before a worker caps its memory
 
     def compile(self, spec: ConstraintSpec) -> str:
-        """Translate and check `spec`; the artifact is llguidance's grammar JSON text."""
-        grammar = to_llguidance(spec)
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise BackendError(_first_line(messages[0]))
-        return grammar
+        """Translate and check `spec`; the artifact is llguidance's grammar JSON text.
+
+        A `format` llguidance does not know is dropped, as JSON Schema reads unknown formats:
+        annotations that assert nothing.
+        """
+        schema = spec.schema() if spec.kind in ("json_object", "json_schema") else None
+        for _ in range(MAX_UNKNOWN_FORMATS):
+            grammar = to_llguidance(spec, schema, self.options)
+            is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+                grammar, self.tokenizer
+            )
+            if not is_error:
+                return grammar
+            unknown = re.search(r"Unknown format: (.*)", messages[0])
+            if unknown is None or schema is None:
+                raise BackendError(_first_line(messages[0]))
+            schema = _drop_format(schema, unknown.group(1).strip())
+        raise BackendError("too many unknown string formats")
 
     def load(self, artifact: str) -> Callable[[], Matcher]:
         template = llg.LLMatcher(self.tokenizer, artifact, log_level=0)
@@ -141,13 +158,15 @@ class LLGuidanceBackend(Backend):
         return lambda: LLGuidanceMatcher(template.deep_copy(), stops)
 
 
-def to_llguidance(spec: ConstraintSpec) -> str:
-    """llguidance's grammar text for `spec`; BackendError when it cannot be translated."""
+def to_llguidance(
+    spec: ConstraintSpec, schema: dict[str, Any] | bool | None, options: llg.JsonCompileOptions
+) -> str:
+    """llguidance's grammar text for `spec` (`schema` replaces a JSON spec's own schema);
+    BackendError when it cannot be translated."""
     try:
         if spec.kind in ("json_object", "json_schema"):
-            schema = spec.schema()
-            schema = {} if schema is True else schema
-            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+            schema = {} if schema is True or schema is None else schema
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         if spec.kind == "regex":
             assert isinstance(spec.payload, str)
             return llg.LLMatcher.grammar_from_regex(spec.payload)
@@ -161,6 +180,19 @@ def to_llguidance(spec: ConstraintSpec) -> str:
     except Exception as e:  # ValueError, or the GBNF converter's own errors
         raise BackendError(_first_line(str(e) or type(e).__name__)) from e
     raise BackendError(f"unknown constraint kind {spec.kind!r}")
+
+
+def _drop_format(node: Any, name: str) -> Any:
+    """`node` without `"format": name` anywhere in its subschemas."""
+    if isinstance(node, list):
+        return [_drop_format(x, name) for x in node]
+    if not isinstance(node, dict):
+        return node
+    return {
+        k: v if k in DATA_KEYWORDS else _drop_format(v, name)
+        for k, v in node.items()
+        if not (k == "format" and v == name)
+    }
 
 
 def _first_line(message: str) -> str:

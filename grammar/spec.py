@@ -31,7 +31,7 @@ _VLLM_OPTIONS = {
 
 
 # Keywords whose values are instances, not subschemas: a "$ref" inside them is data.
-_DATA_KEYWORDS = ("enum", "const", "default", "examples")
+DATA_KEYWORDS = ("enum", "const", "default", "examples")
 
 
 class GrammarError(ValueError):
@@ -228,5 +228,5 @@ def _local_refs(node: Any) -> set[str]:
             ref = x.get("$ref")
             if isinstance(ref, str) and ref.startswith("#"):
                 refs.add(ref)
-            stack.extend(v for k, v in x.items() if k not in _DATA_KEYWORDS)
+            stack.extend(v for k, v in x.items() if k not in DATA_KEYWORDS)
     return refs

@@ -1,0 +1,78 @@
+"""response_format and vLLM's structured_outputs through the HTTP API with the openai SDK."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+
+if TYPE_CHECKING:
+    from tests.conftest import GatewayServer
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Give me a person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def client(gateway_server: GatewayServer) -> OpenAI:
+    return OpenAI(
+        base_url=gateway_server.base_url, api_key=gateway_server.api_key, max_retries=0, timeout=300
+    )
+
+
+def test_json_schema_response_validates(client: OpenAI, gateway_server: GatewayServer) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    r = client.chat.completions.create(
+        model=gateway_server.model, messages=ASK, response_format=fmt, max_tokens=60, seed=7
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+    # Streamed at temperature 0 equals the non-streamed answer.
+    kw = dict(model=gateway_server.model, messages=ASK, response_format=fmt, max_tokens=60)
+    plain = client.chat.completions.create(temperature=0, **kw).choices[0].message.content
+    parts = client.chat.completions.create(temperature=0, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == plain
+
+
+def test_vllm_structured_outputs_choice(client: OpenAI, gateway_server: GatewayServer) -> None:
+    r = client.completions.create(
+        model=gateway_server.model,
+        prompt="Is the sky blue? Answer:",
+        max_tokens=5,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "fmt, needle",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}, "schema"),
+        ({"type": "regex"}, "regex"),
+        ({"type": "grammar", "grammar": "root ::= ("}, "grammar"),
+        ({"type": "bogus"}, "bogus"),
+    ],
+)
+def test_bad_specs_are_400(client: OpenAI, gateway_server: GatewayServer, fmt, needle) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=gateway_server.model, messages=ASK, max_tokens=5, response_format=fmt
+        )
+    err = e.value.body
+    assert err["type"] == "invalid_request_error"
+    assert needle in err["message"].lower() or needle in (err.get("param") or "")
+    # The server is fine afterwards.
+    ok = client.chat.completions.create(model=gateway_server.model, messages=ASK, max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
