@@ -36,6 +36,7 @@ class EngineStats:
     num_waiting: int = 0
     kv_pages_used: int = 0
     kv_pages_total: int = 0
+    jump_forward_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,7 @@ class AsyncEngine:
             num_waiting=e.num_waiting,
             kv_pages_used=e.allocator.num_used,
             kv_pages_total=e.allocator.num_pages,
+            jump_forward_tokens=getattr(getattr(e, "grammar", None), "jump_forward_tokens", 0),
         )
 
     def _send(self, outputs: list[RequestOutput]) -> None:

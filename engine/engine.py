@@ -160,18 +160,33 @@ class LLMEngine:
         )
         outputs = []
         for req, sample in zip(sampling, samples, strict=True):
+            new = [sample.token_id]
             reason = self._check_stop(req, sample.token_id)
+            if reason is None and req.params.logprobs is None:
+                reason = self._jump_forward(req, new)
             if reason:
                 self._finish(req, reason)
             lp = [sample.logprob] if sample.logprob is not None else None
-            outputs.append(self._output(req, [sample.token_id], lp))
+            outputs.append(self._output(req, new, lp))
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> str | None:
+    def _jump_forward(self, req: Request, new: list[int]) -> str | None:
+        """Append the tokens the grammar forces; the next step prefills them as one chunk."""
+        limit = req.params.max_tokens - req.num_output_tokens
+        for token in self.grammar.jump_forward(req, limit):
+            req.token_ids.append(token)
+            new.append(token)
+            reason = self._check_stop(req, token, accepted=True)
+            if reason:
+                return reason
+        return None
+
+    def _check_stop(self, req: Request, token: int, accepted: bool = False) -> str | None:
         p = req.params
-        req.error = GrammarStage.accept(req, token)
-        if req.error:
-            return "error"
+        if not accepted:
+            req.error = GrammarStage.accept(req, token)
+            if req.error:
+                return "error"
         if (
             token in p.stop_token_ids
             or (not p.ignore_eos and token in self.eos_token_ids)

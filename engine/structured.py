@@ -27,6 +27,7 @@ class GrammarStage:
         self.stop_token_ids = stop_token_ids
         self._compiler: Any = None  # started on first use: its worker costs a subprocess
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
+        self.jump_forward_tokens = 0  # tokens appended without sampling (metrics)
 
     @property
     def compiler(self):
@@ -102,6 +103,33 @@ class GrammarStage:
         if req.matcher is None or req.matcher.accept(token):
             return None
         return f"the grammar refused sampled token {token}"
+
+    def jump_forward(self, req: Request, limit: int) -> list[int]:
+        """Tokens the grammar forces next (at most `limit`), already accepted by the matcher.
+
+        The forced text is retokenized together with the last token, so the boundary stays
+        canonical: if the last token would merge with the forced text, nothing is forced. The
+        final forced token is left for the model to sample, since it could merge with what
+        follows. The engine appends these tokens; the next step computes them as one chunk.
+        """
+        if req.matcher is None or limit <= 1:
+            return []
+        forced = req.matcher.forced_continuation()
+        if not forced:
+            return []
+        last = req.token_ids[-1]
+        ids = self.tokenizer.encode(
+            self.tokenizer.decode([last]) + forced, add_special_tokens=False
+        )
+        if len(ids) < 3 or ids[0] != last:
+            return []
+        tokens = ids[1:-1][: limit - 1]
+        for i, t in enumerate(tokens):
+            if not req.matcher.accept(t):
+                req.matcher.rollback(i)
+                return []
+        self.jump_forward_tokens += len(tokens)
+        return tokens
 
     @staticmethod
     def terminated(req: Request) -> bool:

@@ -62,6 +62,10 @@ class Metrics:
                 "Sequences in the running batch", lambda: stats().num_running),
             "switchboard_kv_pages_used": ("KV cache pages in use", lambda: stats().kv_pages_used),
             "switchboard_kv_pages_total": ("KV cache pages in all", lambda: stats().kv_pages_total),
+            "switchboard_jump_forward_tokens": (
+                "Tokens appended by grammar jump-forward instead of sampled (cumulative)",
+                lambda: stats().jump_forward_tokens,
+            ),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)

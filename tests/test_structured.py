@@ -141,3 +141,23 @@ def test_compiling_grammar_does_not_hold_back_others(smollm2):
         eng.step() or time.sleep(0.01)
     assert not eng.has_unfinished_requests()
     assert eng.allocator.num_used == 0
+
+
+def test_jump_forward_appends_forced_tokens(smollm2):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+        "required": ["name", "city"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    before = smollm2.engine.grammar.jump_forward_tokens
+    out = smollm2.chat(
+        [{"role": "user", "content": "A person as JSON"}],
+        SamplingParams(max_tokens=60, temperature=0, response_format=rf),
+    )[0]
+    assert smollm2.engine.grammar.jump_forward_tokens > before
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+    # The text is what the tokens decode to: forced tokens went through the detokenizer too.
+    assert out.text == smollm2.tokenizer.decode(out.token_ids, skip_special_tokens=True)
