@@ -56,7 +56,10 @@ def load_tokenizer() -> Any:
 
 
 def run_cases(
-    files: list[Path], tokenizer: Any, backends: tuple[str, ...], timeout_s: float,
+    files: list[Path],
+    tokenizer: Any,
+    backends: tuple[str, ...],
+    timeout_s: float,
     memory_limit_mb: int | None = 2048,
 ) -> Iterator[CaseResult]:
     """Yield one result per file, in order; compiles run ahead in a capped worker."""
@@ -66,8 +69,13 @@ def run_cases(
     from grammar.spec import GrammarError, parse_structured_outputs
 
     with GrammarCompiler(
-        tokenizer, len(tokenizer), backends=backends, num_workers=1, timeout_s=timeout_s,
-        memory_limit_mb=memory_limit_mb, cache_size=4 * WINDOW,
+        tokenizer,
+        len(tokenizer),
+        backends=backends,
+        num_workers=1,
+        timeout_s=timeout_s,
+        memory_limit_mb=memory_limit_mb,
+        cache_size=4 * WINDOW,
     ) as compiler:
         bitmask = torch.zeros(1, (compiler.vocab_size + 31) // 32, dtype=torch.int32)
         stop = compiler.vocab.stop_token_ids[0]
@@ -171,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     backends = BACKEND_NAMES if args.backend == "auto" else (args.backend,)
     tokenizer = load_tokenizer()
     results: list[CaseResult] = []
-    report = open(args.report, "w") if args.report else None  # noqa: SIM115
+    report = open(args.report, "w", buffering=1) if args.report else None  # noqa: SIM115
     cases = run_cases(files, tokenizer, backends, args.timeout, args.memory_mb or None)
     if args.json:
         progress = None

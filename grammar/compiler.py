@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from grammar.backend import BACKEND_NAMES, CompiledGrammar, make_backend
+from grammar.backend import BACKEND_NAMES, Backend, CompiledGrammar, make_backend
 from grammar.spec import ConstraintSpec, GrammarError
 from grammar.vocab import TokenVocab
 from grammar.worker import CompileWorker
@@ -55,7 +55,13 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         # Parent-side copies only load artifacts; compiling happens in the workers.
-        self._loaders = {name: make_backend(name, self.vocab) for name in self.backends}
+        self._loaders: dict[str, Backend] = {}
+        self._missing: dict[str, str] = {}  # optional libraries that are not installed
+        for name in self.backends:
+            try:
+                self._loaders[name] = make_backend(name, self.vocab)
+            except ImportError as e:
+                self._missing[name] = f"not installed ({e})"
         self._workers = [CompileWorker(self.vocab, memory_limit_mb) for _ in range(num_workers)]
         self._idle: queue.Queue[CompileWorker] = queue.Queue()
         for w in self._workers:
@@ -115,6 +121,9 @@ class GrammarCompiler:
         try:
             errors, failed_ms = [], 0.0
             for name in self.backends:
+                if name in self._missing:
+                    errors.append(f"{name}: {self._missing[name]}")
+                    continue
                 t0 = time.perf_counter()
                 try:
                     artifact, ms = worker.compile(name, spec, self.timeout_s)

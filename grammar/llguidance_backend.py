@@ -137,6 +137,8 @@ class LLGuidanceBackend(Backend):
         annotations that assert nothing.
         """
         schema = spec.schema() if spec.kind in ("json_object", "json_schema") else None
+        if self.options["lenient"] and schema is None:
+            raise BackendError("lenient mode applies to JSON schemas only")
         for _ in range(MAX_UNKNOWN_FORMATS):
             grammar = to_llguidance(spec, schema, self.options)
             is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(

@@ -13,8 +13,15 @@ MASKBENCH = Path("/work/shared/maskbench-dev")
 # Cases every configuration passes, and one whose schema no backend can enforce exactly.
 GOOD = ["BFCL_java_16", "Glaiveai2K---calculate_area_1", "Handwritten---oneof13"]
 KEYS = {
-    "cases", "passing", "compile_errors", "validation_errors", "timeouts",
-    "mask_us_p50", "mask_us_p99", "compile_ms_p50", "compile_ms_p99",
+    "cases",
+    "passing",
+    "compile_errors",
+    "validation_errors",
+    "timeouts",
+    "mask_us_p50",
+    "mask_us_p99",
+    "compile_ms_p50",
+    "compile_ms_p99",
 }
 
 pytestmark = pytest.mark.skipif(not MASKBENCH.is_dir(), reason="needs the MaskBench dev set")
@@ -23,7 +30,10 @@ pytestmark = pytest.mark.skipif(not MASKBENCH.is_dir(), reason="needs the MaskBe
 def bench(*args: str) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "grammar.bench", *args, "--json"],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -56,7 +56,7 @@ def test_compiles_and_caches_by_spec(compiler: GrammarCompiler, tokenizer):
     future = compiler.submit(spec)
     assert compiler.submit(ConstraintSpec("choice", ("red", "green"))) is future  # same key
     grammar = future.result(timeout=60)
-    assert grammar.backend == "xgrammar" and grammar.spec == spec and grammar.compile_ms > 0
+    assert grammar.backend == "llguidance" and grammar.spec == spec and grammar.compile_ms > 0
     # Fill row 1 of a batch bitmask; row 0 belongs to another request and stays untouched.
     bitmask = torch.full((2, (compiler.vocab_size + 31) // 32), 7, dtype=torch.int32)
     grammar.matcher().fill_bitmask(bitmask, 1)
@@ -76,8 +76,9 @@ def test_compiles_and_caches_by_spec(compiler: GrammarCompiler, tokenizer):
         },
     ],
 )
-def test_falls_back_to_outlines(compiler: GrammarCompiler, tokenizer, rf):
+def test_falls_back_to_outlines(compiler: GrammarCompiler, tokenizer, rf, monkeypatch):
     """xgrammar cannot read Unicode classes (\\p{L}); outlines-core can."""
+    monkeypatch.setattr(compiler, "backends", ("xgrammar", "outlines"))
     grammar = compiler.compile(parse_response_format(rf))
     assert grammar.backend == "outlines"
     m = grammar.matcher()
@@ -90,6 +91,8 @@ def test_all_backends_fail_names_each_reason(compiler: GrammarCompiler):
     spec = parse_response_format({"type": "grammar", "grammar": 'root ::= "a" |'})
     with pytest.raises(GrammarError) as e:
         compiler.compile(spec)
+    assert "llguidance: " in e.value.message
+    assert "llguidance-lenient: lenient mode applies to JSON schemas only" in e.value.message
     assert "xgrammar: EBNF parser error" in e.value.message
     assert "outlines: grammar constraints are not supported" in e.value.message
     assert e.value.param == "response_format.grammar"
@@ -112,7 +115,7 @@ def test_crashed_worker_is_replaced(compiler: GrammarCompiler):
     os.kill(pid, 9)
     time.sleep(0.5)  # let the kernel close its socket; a crash mid-compile is the cap tests'
     grammar = compiler.compile(ConstraintSpec("regex", "[0-9]+x"))
-    assert grammar.backend == "xgrammar"
+    assert grammar.backend == "llguidance"
     (new_pid,) = compiler.worker_pids
     assert new_pid != pid
 

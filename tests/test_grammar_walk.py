@@ -118,7 +118,8 @@ def walker(vocab: TokenVocab) -> Walker:
 
 @pytest.fixture(scope="session")
 def backends(vocab: TokenVocab):
-    return {name: make_backend(name, vocab) for name in ("xgrammar", "outlines")}
+    names = ("xgrammar", "outlines", "llguidance", "llguidance-lenient")
+    return {name: make_backend(name, vocab) for name in names}
 
 
 _compiled: dict[tuple[str, ConstraintSpec], object] = {}
@@ -174,7 +175,7 @@ def is_arith(text: str) -> bool:
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("case", list(KIND_SPECS))
-@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines", "llguidance"])
 def test_random_walk(backends, walker: Walker, backend_name: str, case: str, seed: int):
     spec = KIND_SPECS[case]
     if backend_name == "outlines" and spec.kind == "json_object":
@@ -191,7 +192,7 @@ def test_random_walk(backends, walker: Walker, backend_name: str, case: str, see
         assert is_arith(text), text
 
 
-@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines", "llguidance"])
 def test_matcher_accept_reject_rollback(backends, walker: Walker, tokenizer, backend_name: str):
     spec = KIND_SPECS["regex_phone"]
     m = matcher(backends[backend_name], spec)
@@ -218,6 +219,9 @@ def test_forced_continuation(backends, walker: Walker):
     m = matcher(backends["xgrammar"], KIND_SPECS["json_schema"])
     assert m.forced_continuation().startswith("{")
     assert matcher(backends["outlines"], KIND_SPECS["choice"]).forced_continuation() == ""
+    m = matcher(backends["llguidance"], ConstraintSpec("choice", ("hello world", "hello there")))
+    assert m.forced_continuation() == "hello "
+    assert matcher(backends["llguidance"], KIND_SPECS["json_schema"]).forced_continuation() == '{"'
 
 
 # -- MaskBench cases, through the GrammarCompiler --------------------------------------
@@ -270,9 +274,9 @@ def test_maskbench_case(compiled_cases, walker: Walker, tokenizer, name: str):
     assert check_output(grammar.spec, text) is None, text
 
 
-@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines", "llguidance-lenient"])
 def test_check_output_catches_silently_relaxed_keywords(backends, walker, backend_name: str):
-    """Both backends ignore uniqueItems: every walk here yields [1, 1...], which must fail."""
+    """These backends ignore uniqueItems: every walk here yields [1, 1...], which must fail."""
     schema = {"type": "array", "items": {"enum": [1]}, "minItems": 2, "uniqueItems": True}
     spec = parse_structured_outputs({"json": schema})
     text = walker.walk(matcher(backends[backend_name], spec), seed=0)
