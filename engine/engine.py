@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
@@ -138,10 +139,18 @@ class LLMEngine:
         failed = [self._fail(req, why) for req, why in self._not_startable()]
         batch = self.scheduler.schedule()
         if not batch:
-            self.adapters.wait_for_loads(0.05)  # only adapter reads can progress: don't spin
+            self._wait_for_background(0.05)
             return failed
         samples = self.runner.run(batch)
         return failed + self.postprocess(batch, samples)
+
+    def _wait_for_background(self, timeout: float) -> None:
+        """Nothing could run: wait for an adapter read or a grammar compile to finish instead
+        of spinning (a spinning loop steals the CPU those need)."""
+        pending = self.adapters.pending_loads()
+        pending += [r.pending_grammar for r in self.scheduler.waiting if r.pending_grammar]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
 
     def _not_startable(self) -> list[tuple[Request, str]]:
         """Waiting requests that can never start: their adapter failed to load, or their

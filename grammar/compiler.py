@@ -62,7 +62,10 @@ class GrammarCompiler:
                 self._loaders[name] = make_backend(name, self.vocab)
             except ImportError as e:
                 self._missing[name] = f"not installed ({e})"
-        self._workers = [CompileWorker(self.vocab, memory_limit_mb) for _ in range(num_workers)]
+        self._workers = [
+            CompileWorker(self.vocab, memory_limit_mb, list(self._loaders))
+            for _ in range(num_workers)
+        ]
         self._idle: queue.Queue[CompileWorker] = queue.Queue()
         for w in self._workers:
             w.start()  # import in the background; the first compile waits for it

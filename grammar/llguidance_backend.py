@@ -14,6 +14,7 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from grammar.backend import Backend, BackendError, Matcher
+from grammar.ecma import ascii_digits
 from grammar.spec import DATA_KEYWORDS, ConstraintSpec
 from grammar.vocab import TokenVocab
 
@@ -136,7 +137,7 @@ class LLGuidanceBackend(Backend):
         A `format` llguidance does not know is dropped, as JSON Schema reads unknown formats:
         annotations that assert nothing.
         """
-        schema = spec.schema() if spec.kind in ("json_object", "json_schema") else None
+        schema = _ecma(spec.schema()) if spec.kind in ("json_object", "json_schema") else None
         if self.options["lenient"] and schema is None:
             raise BackendError("lenient mode applies to JSON schemas only")
         for _ in range(MAX_UNKNOWN_FORMATS):
@@ -149,7 +150,7 @@ class LLGuidanceBackend(Backend):
             unknown = re.search(r"Unknown format: (.*)", messages[0])
             if unknown is None or schema is None:
                 raise BackendError(_first_line(messages[0]))
-            schema = _drop_format(schema, unknown.group(1).strip())
+            schema = _ecma(schema, drop_format=unknown.group(1).strip())
         raise BackendError("too many unknown string formats")
 
     def load(self, artifact: str) -> Callable[[], Matcher]:
@@ -171,7 +172,7 @@ def to_llguidance(
             return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         if spec.kind == "regex":
             assert isinstance(spec.payload, str)
-            return llg.LLMatcher.grammar_from_regex(spec.payload)
+            return llg.LLMatcher.grammar_from_regex(ascii_digits(spec.payload))
         if spec.kind == "grammar":
             assert isinstance(spec.payload, str)
             return llg.LLMatcher.grammar_from_lark(any_to_lark(spec.payload))
@@ -184,17 +185,26 @@ def to_llguidance(
     raise BackendError(f"unknown constraint kind {spec.kind!r}")
 
 
-def _drop_format(node: Any, name: str) -> Any:
-    """`node` without `"format": name` anywhere in its subschemas."""
+def _ecma(node: Any, drop_format: str | None = None) -> Any:
+    """`node` with its patterns read as ECMA-262 (`\\d` is ASCII), and without
+    `"format": drop_format` anywhere in its subschemas."""
     if isinstance(node, list):
-        return [_drop_format(x, name) for x in node]
+        return [_ecma(x, drop_format) for x in node]
     if not isinstance(node, dict):
         return node
-    return {
-        k: v if k in DATA_KEYWORDS else _drop_format(v, name)
-        for k, v in node.items()
-        if not (k == "format" and v == name)
-    }
+    out = {}
+    for k, v in node.items():
+        if k in DATA_KEYWORDS:
+            out[k] = v
+        elif k == "format" and v == drop_format:
+            continue
+        elif k == "pattern" and isinstance(v, str):
+            out[k] = ascii_digits(v)
+        elif k == "patternProperties" and isinstance(v, dict):
+            out[k] = {ascii_digits(p): _ecma(s, drop_format) for p, s in v.items()}
+        else:
+            out[k] = _ecma(v, drop_format)
+    return out
 
 
 def _first_line(message: str) -> str:

@@ -11,6 +11,7 @@ import torch
 from outlines_core.json_schema import build_regex_from_schema
 
 from grammar.backend import Backend, BackendError, Matcher
+from grammar.ecma import ascii_digits
 from grammar.spec import ConstraintSpec
 from grammar.vocab import TokenVocab
 
@@ -109,31 +110,6 @@ def to_regex(spec: ConstraintSpec) -> str:
         assert isinstance(spec.payload, tuple)
         return "(" + "|".join(_escape(c) for c in spec.payload) + ")"
     raise BackendError(f"{spec.kind} constraints are not supported (regular languages only)")
-
-
-def ascii_digits(regex: str) -> str:
-    """Read `\\d` as [0-9], as ECMA-262 (JSON Schema's dialect) and xgrammar do; Rust's regex
-    would match every Unicode digit."""
-    out, depth, i = [], 0, 0
-    while i < len(regex):
-        c = regex[i]
-        if c == "\\" and i + 1 < len(regex):
-            nxt = regex[i + 1]
-            if nxt == "d":
-                out.append("0-9" if depth else "[0-9]")
-            elif nxt == "D" and not depth:
-                out.append("[^0-9]")
-            else:
-                out.append(c + nxt)
-            i += 2
-            continue
-        if c == "[":
-            depth += 1
-        elif c == "]" and depth:
-            depth -= 1
-        out.append(c)
-        i += 1
-    return "".join(out)
 
 
 def _escape(s: str) -> str:

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,14 @@ START_TIMEOUT_S = 120.0  # importing torch + xgrammar in a fresh child, on a bus
 class CompileWorker:
     """The parent's handle on one compile subprocess. Not thread-safe: one caller at a time."""
 
-    def __init__(self, vocab: TokenVocab, memory_limit_mb: int | None):
+    def __init__(
+        self,
+        vocab: TokenVocab,
+        memory_limit_mb: int | None,
+        backends: Sequence[str] = BACKEND_NAMES,
+    ):
         self._vocab = vocab
+        self._backends = tuple(backends)
         self._memory_limit_mb = memory_limit_mb
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -93,7 +100,7 @@ class CompileWorker:
             self._wait_for("hello")
             assert self._conn is not None
             try:
-                self._conn.send(self._vocab)  # the child is reading now: this does not block
+                self._conn.send((self._vocab, self._backends))  # the child is reading: no block
             except OSError:
                 self.stop()
                 raise BackendError("the compile worker died while starting") from None
@@ -134,12 +141,14 @@ class CompileWorker:
 
 
 def serve(conn: Connection, memory_limit_mb: int) -> None:
-    """The child: serve (backend, spec) requests on `conn` until the parent closes it."""
+    """The child: serve (backend, spec) requests on `conn` until the parent closes it. The
+    parent first sends the vocabulary and the backends to build."""
     conn.send(("hello", None, 0.0))
-    vocab: TokenVocab = conn.recv()
+    vocab: TokenVocab
+    vocab, names = conn.recv()
     missing: dict[str, str] = {}
     backends: dict[str, Backend] = {}
-    for name in BACKEND_NAMES:
+    for name in names:
         try:
             backends[name] = make_backend(name, vocab)
         except ImportError as e:  # an optional library that is not installed

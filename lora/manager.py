@@ -241,11 +241,15 @@ class AdapterManager:
             failed, self._failed = dict(self._failed), []
             return [(r, why) for r, why in failed.items() if r in self._attached]
 
+    def pending_loads(self) -> list[Future]:
+        """The background reads in flight."""
+        with self._lock:
+            return [e.loading for e in self._registry.values() if e.loading is not None]
+
     def wait_for_loads(self, timeout: float) -> None:
         """Block until a background read finishes (at most `timeout` s); return at once when
-        none is in flight. The engine calls this instead of spinning on an empty step."""
-        with self._lock:
-            pending = [e.loading for e in self._registry.values() if e.loading is not None]
+        none is in flight."""
+        pending = self.pending_loads()
         if pending:
             wait_futures(pending, timeout, return_when="FIRST_COMPLETED")
 

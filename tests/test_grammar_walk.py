@@ -221,7 +221,7 @@ def test_forced_continuation(backends, walker: Walker):
     assert matcher(backends["outlines"], KIND_SPECS["choice"]).forced_continuation() == ""
     m = matcher(backends["llguidance"], ConstraintSpec("choice", ("hello world", "hello there")))
     assert m.forced_continuation() == "hello "
-    assert matcher(backends["llguidance"], KIND_SPECS["json_schema"]).forced_continuation() == '{"'
+    assert matcher(backends["llguidance"], KIND_SPECS["json_schema"]).forced_continuation() == "{"
 
 
 # -- MaskBench cases, through the GrammarCompiler --------------------------------------
