@@ -34,6 +34,11 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage reporting)
     pages: list[int] = field(default_factory=list)
+    # The first `num_cached_pages` of `pages` belong to the prefix cache, locked through
+    # `cache_node` (see engine/prefix_cache.py); the rest belong to the request.
+    num_cached_pages: int = 0
+    cache_node: Any = None
+    session_id: str | None = None  # a session's turn: its KV stays pinned after it finishes
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
@@ -48,6 +53,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def namespace(self) -> tuple[str, str | None]:
+        """KV is shared only within one (tenant, adapter)."""
+        return (self.tenant, self.params.adapter)
 
     @property
     def num_prompt_tokens(self) -> int:
