@@ -272,6 +272,15 @@ def test_history_survives_a_restart_and_the_next_turn_equals_cold(server: Server
     assert rf.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_example_agent_session_runs(server: Server) -> None:
+    out = subprocess.run(
+        [sys.executable, "examples/agent_session.py", "--max-tokens", "6"], cwd=ROOT,
+        capture_output=True, text=True, timeout=300, check=True,
+        env={**os.environ, "OPENAI_BASE_URL": server.url + "/v1",
+             "OPENAI_API_KEY": "sk-test-alpha"})
+    assert "The session holds 7 messages." in out.stdout
+
+
 def test_redis_down_fails_session_calls_only(server: Server, redis_server) -> None:
     sid = _new_session(server)
     redis_server.terminate()  # the last test of the module: nothing needs Redis after it
