@@ -35,7 +35,7 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
-    kv_pages_used: int = 0
+    kv_pages_used: int = 0  # held by requests or pinned by sessions (not evictable cache)
     kv_pages_total: int = 0
     jump_forward_tokens: int = 0
     prefix: PrefixCacheStats = PrefixCacheStats()
@@ -272,13 +272,14 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         e = self._engine
+        prefix = e.prefix_cache.stats() if hasattr(e, "prefix_cache") else PrefixCacheStats()
         self.stats = EngineStats(
             num_running=e.num_running,
             num_waiting=e.num_waiting,
-            kv_pages_used=e.allocator.num_used,
+            kv_pages_used=e.allocator.num_used - prefix.evictable_pages,
             kv_pages_total=e.allocator.num_pages,
             jump_forward_tokens=getattr(getattr(e, "grammar", None), "jump_forward_tokens", 0),
-            prefix=e.prefix_cache.stats() if hasattr(e, "prefix_cache") else PrefixCacheStats(),
+            prefix=prefix,
         )
 
     def _send(self, outputs: list[RequestOutput]) -> None:

@@ -30,6 +30,7 @@ class PrefixCacheStats:
     miss_tokens: int = 0  # prompt tokens admitted that had to be computed
     evicted_pages: int = 0
     cached_pages: int = 0  # pages the tree owns now
+    evictable_pages: int = 0  # of those, pages no running request locks and no session pins
     pinned_pages: int = 0  # pages sessions keep between turns (counted per session)
 
 
@@ -146,5 +147,6 @@ class PrefixCache:
             miss_tokens=self.miss_tokens,
             evicted_pages=self.tree.evicted_pages,
             cached_pages=self.tree.cached_pages,
+            evictable_pages=self.tree.evictable_pages,
             pinned_pages=self.pins.num_pages,
         )

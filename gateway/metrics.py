@@ -63,7 +63,9 @@ class Metrics:
             "switchboard_queue_depth": ("Sequences waiting for a batch seat", queue_depth),
             "switchboard_running_batch_size": (
                 "Sequences in the running batch", lambda: stats().num_running),
-            "switchboard_kv_pages_used": ("KV cache pages in use", lambda: stats().kv_pages_used),
+            "switchboard_kv_pages_used": (
+                "KV pages held by requests or pinned by sessions (evictable cache excluded)",
+                lambda: stats().kv_pages_used),
             "switchboard_kv_pages_total": ("KV cache pages in all", lambda: stats().kv_pages_total),
             "switchboard_jump_forward_tokens": (
                 "Tokens appended by grammar jump-forward instead of sampled (cumulative)",
