@@ -45,7 +45,7 @@ def tool_result(turn: int, rng: random.Random) -> str:
     """~200 tokens of log lines, like a real tool result."""
     services = ["api", "auth", "billing", "search", "queue"]
     lines = [f"Tool result (search_logs, call {turn}):"]
-    for _ in range(14):
+    for _ in range(10):
         svc = rng.choice(services)
         lines.append(f"12:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d} {svc} "
                      f"status={rng.choice([200, 200, 500, 503])} ms={rng.randint(5, 900)}")
