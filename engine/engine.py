@@ -114,6 +114,7 @@ class LLMEngine:
             self.adapters.attach(req)
         except UnknownAdapter:
             raise InvalidRequestError(f"unknown adapter {params.adapter!r}", "model") from None
+        req.adapter_uid = self.adapters.uid_of(req)
         req.output_state = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
         self.grammar.submit(req)
         self._requests[request_id] = req

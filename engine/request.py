@@ -39,6 +39,7 @@ class Request:
     num_cached_pages: int = 0
     cache_node: Any = None
     session_id: str | None = None  # a session's turn: its KV stays pinned after it finishes
+    adapter_uid: int = 0  # which registration of `params.adapter` (set by the engine)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
@@ -55,9 +56,10 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
 
     @property
-    def namespace(self) -> tuple[str, str | None]:
-        """KV is shared only within one (tenant, adapter)."""
-        return (self.tenant, self.params.adapter)
+    def namespace(self) -> tuple[str, str | None, int]:
+        """KV is shared only within one (tenant, adapter); an adapter removed and added
+        again under the same name is another adapter."""
+        return (self.tenant, self.params.adapter, self.adapter_uid)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,7 +14,7 @@ PS = 4
 def make(num_pages=64, budget=64, seqs=8, session_pages=1000):
     alloc = PageAllocator(num_pages)
     cache = PrefixCache(alloc, PS, session_pages=session_pages)
-    return Scheduler(alloc, PS, seqs, budget, cache), alloc, cache
+    return Scheduler(alloc, PS, seqs, budget, cache=cache), alloc, cache
 
 
 def req(rid, tokens, tenant="t", adapter=None, max_tokens=2, session=None):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
+import torch
 
 from engine import SamplingParams
 
@@ -53,11 +55,26 @@ def test_repeat_hits_the_cache_with_identical_greedy_tokens(engine, prompt):
     assert run(engine, prompt + cold) == (longer, 0)
 
 
-def test_tenants_and_adapters_never_share(engine, prompt):
+def test_tenants_and_adapters_never_share(engine, prompt, smollm2, hf_smollm2, tmp_path):
     run(engine, prompt, tenant="alpha")
     assert run(engine, prompt, tenant="beta")[1] == 0
-    assert run(engine, prompt, tenant="alpha", adapter="a1")[1] == 0
     assert run(engine, prompt, tenant="alpha")[1] > 0
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    lora = peft.get_peft_model(copy.deepcopy(hf_smollm2),
+                               peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora.save_pretrained(tmp_path / "a1")
+    smollm2.load_adapter("a1", tmp_path / "a1")
+    try:
+        assert run(engine, prompt, adapter="a1")[1] == 0  # not the base model's KV
+        assert run(engine, prompt, adapter="a1")[1] > 0
+        # The same name registered again is another adapter: its KV starts cold.
+        smollm2.unload_adapter("a1")
+        smollm2.load_adapter("a1", tmp_path / "a1")
+        assert run(engine, prompt, adapter="a1")[1] == 0
+    finally:
+        smollm2.unload_adapter("a1")
 
 
 def test_session_resumes_from_pinned_or_evicted_kv(engine, prompt):
