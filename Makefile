@@ -22,6 +22,8 @@ serve: install
 	$(VENV)/bin/switchboard serve
 
 test: install
+	# The session tests run a real redis-server; install Debian's when it is missing.
+	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install

@@ -21,6 +21,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.messages import GenerateRequest, RequestOutput
+from engine.prefix_cache import PrefixCacheStats
 from engine.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,14 +35,20 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
-    kv_pages_used: int = 0
+    kv_pages_used: int = 0  # held by requests or pinned by sessions (not evictable cache)
     kv_pages_total: int = 0
     jump_forward_tokens: int = 0
+    prefix: PrefixCacheStats = PrefixCacheStats()
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _ReleaseSession:
+    session_id: str
 
 
 _STOP = object()
@@ -153,6 +160,10 @@ class AsyncEngine:
         if self._sinks.pop(request_id, None) is not None:
             self._inbox.put(_Abort(request_id))
 
+    def release_session(self, session_id: str) -> None:
+        """The session ended: unpin its KV (applied before the next step)."""
+        self._inbox.put(_ReleaseSession(session_id))
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             sink = self._sinks.get(out.request_id)
@@ -219,6 +230,11 @@ class AsyncEngine:
                     self._engine.abort_request(cmd.request_id)  # nobody listens for its output
                 except Exception:
                     log.exception("aborting %s failed", cmd.request_id)
+            elif isinstance(cmd, _ReleaseSession):
+                try:
+                    self._engine.release_session(cmd.session_id)
+                except Exception:
+                    log.exception("releasing session %s failed", cmd.session_id)
             else:
                 err = self._add(cmd)
                 if err is not None:
@@ -226,7 +242,8 @@ class AsyncEngine:
 
     def _add(self, req: GenerateRequest) -> RequestOutput | None:
         try:
-            self._engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.tenant)
+            self._engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.tenant,
+                                     req.session_id)
         except InvalidRequestError as e:
             return _failed(req.request_id, e.message)
         except Exception as e:
@@ -255,12 +272,14 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         e = self._engine
+        prefix = e.prefix_cache.stats() if hasattr(e, "prefix_cache") else PrefixCacheStats()
         self.stats = EngineStats(
             num_running=e.num_running,
             num_waiting=e.num_waiting,
-            kv_pages_used=e.allocator.num_used,
+            kv_pages_used=e.allocator.num_used - prefix.evictable_pages,
             kv_pages_total=e.allocator.num_pages,
             jump_forward_tokens=getattr(getattr(e, "grammar", None), "jump_forward_tokens", 0),
+            prefix=prefix,
         )
 
     def _send(self, outputs: list[RequestOutput]) -> None:

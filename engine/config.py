@@ -113,6 +113,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     adapter_dir: Path | None = None
     cache_dir: Path = field(default_factory=default_cache_dir)
+    prefix_cache: bool = True  # keep finished KV in the radix tree and reuse shared prefixes
+    session_kv_pages: int | None = None  # per-tenant pinned-session budget; None: a quarter
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -129,5 +131,7 @@ class EngineConfig:
             raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")
+        if self.session_kv_pages is not None and self.session_kv_pages < 0:
+            raise ValueError("session_kv_pages must be >= 0")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -13,6 +13,7 @@ from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
 from engine.model_runner import ModelRunner
 from engine.page_allocator import PageAllocator
+from engine.prefix_cache import PrefixCache
 from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -55,6 +56,9 @@ class LLMEngine:
             slots = LoraSlots(mc, cfg.max_loras, cfg.max_lora_rank, dtype, device)
         self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
         lora = wrap_model(self.model, slots, self.adapters.slot_of) if slots else None
+        session_pages = num_pages // 4 if cfg.session_kv_pages is None else cfg.session_kv_pages
+        self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
+                                        session_pages)
         self.scheduler = Scheduler(
             self.allocator,
             cfg.page_size,
@@ -62,6 +66,7 @@ class LLMEngine:
             cfg.max_num_batched_tokens,
             adapters=self.adapters,
             is_ready=self.grammar.is_ready,
+            cache=self.prefix_cache,
         )
         self.runner = ModelRunner(
             self.model, num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora
@@ -100,15 +105,17 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tenant: str = "default",
+        session_id: str | None = None,
     ) -> Request:
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params, tenant)
+        req = Request(request_id, list(prompt_token_ids), params, tenant, session_id=session_id)
         try:
             self.adapters.attach(req)
         except UnknownAdapter:
             raise InvalidRequestError(f"unknown adapter {params.adapter!r}", "model") from None
+        req.adapter_uid = self.adapters.uid_of(req)
         req.output_state = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
         self.grammar.submit(req)
         self._requests[request_id] = req
@@ -121,6 +128,14 @@ class LLMEngine:
             return None
         self._finish(req, "abort")
         return self._output(req, [], None)
+
+    def release_session(self, session_id: str) -> None:
+        """A session ended: its KV stays cached but is no longer pinned."""
+        self.prefix_cache.release_session(session_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page (between runs; raises while requests run)."""
+        return self.prefix_cache.reset()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -17,6 +17,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     tenant: str = "default"
+    session_id: str | None = None  # a session's turn: its KV stays pinned for the next turn
 
 
 @dataclass

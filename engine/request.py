@@ -34,6 +34,12 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage reporting)
     pages: list[int] = field(default_factory=list)
+    # The first `num_cached_pages` of `pages` belong to the prefix cache, locked through
+    # `cache_node` (see engine/prefix_cache.py); the rest belong to the request.
+    num_cached_pages: int = 0
+    cache_node: Any = None
+    session_id: str | None = None  # a session's turn: its KV stays pinned after it finishes
+    adapter_uid: int = 0  # which registration of `params.adapter` (set by the engine)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
@@ -48,6 +54,12 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def namespace(self) -> tuple[str, str | None, int]:
+        """KV is shared only within one (tenant, adapter); an adapter removed and added
+        again under the same name is another adapter."""
+        return (self.tenant, self.params.adapter, self.adapter_uid)
 
     @property
     def num_prompt_tokens(self) -> int:

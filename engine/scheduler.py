@@ -2,7 +2,8 @@
 
 One rule covers prefill, chunked prefill and decode: each step a scheduled request's
 `num_computed_tokens` catches up toward `num_tokens` by at most the step's remaining token
-budget. A request whose KV catches up samples one token at the end of the step.
+budget. A request whose KV catches up samples one token at the end of the step. A prefix hit
+is the same rule: admission starts `num_computed_tokens` at the cached prefix's length.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.page_allocator import PageAllocator
+from engine.prefix_cache import PrefixCache
 from engine.request import Request, Status
 
 
@@ -56,8 +58,9 @@ class AdmitAll:
 class Scheduler:
     """FCFS within priority (lower `params.priority` first).
 
-    Contract: a running request owns `request.pages`, enough for its computed tokens plus this
-    step's; pages return to the allocator on `finish` or on preemption, never otherwise.
+    Contract: a running request's `request.pages` hold enough pages for its computed tokens
+    plus this step's; its own pages return to the allocator, and its full pages go to the
+    prefix cache, on `finish` or on preemption, never otherwise (engine/prefix_cache.py).
     """
 
     def __init__(
@@ -68,10 +71,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         adapters: Admission | None = None,
         is_ready: Callable[[Request], bool] = lambda req: True,
+        cache: PrefixCache | None = None,
     ):
         self.is_ready = is_ready  # e.g. the request's grammar has compiled
         self.allocator = allocator
         self.adapters = adapters or AdmitAll()
+        self.cache = cache or PrefixCache(allocator, page_size, enabled=False)
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -94,9 +99,9 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
-        self._free_pages(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        self.cache.release(req)
 
     def requests(self) -> Iterable[Request]:
         yield from self.running
@@ -131,8 +136,10 @@ class Scheduler:
                 break
             if not self.is_ready(req) or not self.adapters.can_admit(req):
                 continue
+            self.cache.attach(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, req.num_computed_tokens + n):
+                self.cache.detach(req)
                 break
             self.waiting.remove(req)
             req.status = Status.RUNNING
@@ -145,6 +152,8 @@ class Scheduler:
         """Advance every scheduled request; append the tokens sampled this step."""
         for seq in batch.seqs:
             seq.request.num_computed_tokens = seq.start + seq.num_new_tokens
+            if seq.num_new_tokens > 1:  # a prefill chunk: its full pages join the cache
+                self.cache.commit(seq.request)
         for req, token in sampled.items():
             req.token_ids.append(token)
 
@@ -157,7 +166,7 @@ class Scheduler:
         need = self.pages_for(num_tokens) - len(req.pages)
         if need <= 0:
             return True
-        if not self.allocator.can_allocate(need):
+        if not self.cache.make_room(need):  # evicts unlocked cached pages before failing
             return False
         req.pages.extend(self.allocator.allocate(need))
         return True
@@ -165,14 +174,9 @@ class Scheduler:
     def _preempt(self, req: Request, batch: Batch) -> None:
         """Recompute preemption: drop the KV, keep the tokens, requeue."""
         self.running.remove(req)
-        self._free_pages(req)
+        self.cache.release(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(req)
         self.add(req)
-
-    def _free_pages(self, req: Request) -> None:
-        if req.pages:
-            self.allocator.free(req.pages)
-            req.pages = []

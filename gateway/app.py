@@ -29,11 +29,12 @@ from gateway.params import (
     plan_completion,
     resolve_adapter,
     resolve_constraint,
-    resolve_session,
 )
 from gateway.responses import ChatFormat, CompletionFormat
 from gateway.runtime import Runtime
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.session_routes import add_session_routes
+from gateway.sessions import resolve_session
 from gateway.sse import SSEResponse, stream_events
 from grammar.spec import GrammarError
 
@@ -60,6 +61,8 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
 
     def authenticate(authorization: str | None = Header(None)) -> str:
         return rt.auth.tenant_for(authorization)
+
+    add_session_routes(app, rt, authenticate)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -107,7 +110,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
     ) -> Response:
         adapter = resolve_adapter(body.model, config.model_name, tenant, rt.engine.adapters)
         constraint = resolve_constraint(body)
-        resolve_session(body, tenant)
+        turn = await resolve_session(body, tenant, rt.sessions)
         tok, facts = rt.require_ready()
         if constraint is not None:  # a schema no backend compiles is a 400 now, not later
             try:
@@ -115,13 +118,14 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
             except GrammarError as e:
                 raise bad_request(e.message, e.param or "response_format") from None
         if isinstance(body, ChatCompletionRequest):
-            jobs = plan_chat(body, tok, facts, adapter)
+            jobs = plan_chat(turn.prompt_body(body) if turn else body, tok, facts, adapter)
         else:
             jobs = plan_completion(body, tok, facts, adapter)
         check_capacity(rt.engine.num_outstanding, len(jobs), config.max_num_seqs, config.max_queue)
         ticket = rt.limiter.admit(tenant)
         gen = Generation(
-            rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket, rt.metrics
+            rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket, rt.metrics,
+            turn.session.id if turn else None,
         )
         try:
             gen.submit()
@@ -134,8 +138,14 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         else:
             fmt = CompletionFormat(gen, config.model_name, tok, body.include_usage, body.echo)
         if body.stream:
-            return SSEResponse(stream_events(gen, fmt, body.include_usage), on_close=gen.close)
-        return await _collect(gen, fmt, request.is_disconnected)
+            events = stream_events(gen, fmt, body.include_usage)
+            if turn:
+                events = turn.commit_before_done(events, gen)
+            return SSEResponse(events, on_close=gen.close)
+        response = await _collect(gen, fmt, request.is_disconnected)
+        if turn:
+            await turn.commit(gen)  # the turn is acknowledged only once its history is stored
+        return response
 
     return app
 

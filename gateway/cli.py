@@ -35,6 +35,8 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-lora-rank", "R", int, "largest adapter rank served (the slot width)"),
     ("--adapter-dir", "DIR", str, "where uploaded adapters are stored (default: cache dir)"),
     ("--max-adapter-bytes", "N", int, "largest accepted adapter upload"),
+    ("--redis-url", "URL", str, "session store, e.g. redis://host:6379/0 (default: in-process)"),
+    ("--session-kv-pages", "N", int, "KV pages a tenant's sessions keep pinned between turns"),
     ("--max-queue", "N", int, "sequences that may wait beyond a full batch before 429s"),
     ("--max-request-bytes", "N", int, "largest accepted request body"),
     ("--default-max-tokens", "N", int, "cap on max_tokens when a request leaves it out"),
@@ -47,12 +49,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar="TOML", help="TOML file with any of these settings")
     for flag, metavar, type_, help_ in FLAGS:
         p.add_argument(flag, metavar=metavar, type=type_, default=None, help=help_)
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                   help="never reuse cached KV across requests (sessions then re-prefill)")
     p.set_defaults(func=serve)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
                  for flag, *_ in FLAGS}
+    overrides["prefix_cache"] = getattr(args, "prefix_cache", None)
     return build_config(args.config, **overrides)
 
 

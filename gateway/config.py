@@ -80,6 +80,11 @@ class ServeConfig(BaseModel):
     adapter_dir: str | None = None  # None: <cache dir>/adapters
     max_adapter_bytes: int = Field(256 * 2**20, ge=1024)
 
+    # Prefix cache and sessions.
+    prefix_cache: bool = True
+    session_kv_pages: int | None = Field(None, ge=0, description="pinned pages per tenant")
+    redis_url: str | None = None  # None: sessions live in this process
+
     @model_validator(mode="after")
     def _check_loras(self) -> ServeConfig:
         if self.max_cpu_loras < self.max_loras:
@@ -127,6 +132,8 @@ class ServeConfig(BaseModel):
             max_cpu_loras=self.max_cpu_loras,
             max_lora_rank=self.max_lora_rank,
             adapter_dir=Path(self.adapter_dir or default_cache_dir() / "adapters"),
+            prefix_cache=self.prefix_cache,
+            session_kv_pages=self.session_kv_pages,
         )
 
 

@@ -56,8 +56,10 @@ class Generation:
         tenant: str,
         ticket: Ticket,
         metrics: Metrics,
+        session_id: str | None = None,
     ):
         self.engine, self.tenant, self.ticket, self.metrics = engine, tenant, ticket, metrics
+        self.session_id = session_id
         self.response_id = response_id
         self.arrival = time.monotonic()
         self.created = int(time.time())
@@ -69,8 +71,9 @@ class Generation:
     def submit(self) -> None:
         for rid, choice in self.choices.items():
             job = choice.job
-            self.engine.add_request(GenerateRequest(rid, job.prompt_ids, job.params, self.tenant),
-                                    self.sink)
+            self.engine.add_request(
+                GenerateRequest(rid, job.prompt_ids, job.params, self.tenant, self.session_id),
+                self.sink)
         self._submitted = True
         prompt_tokens = self._prompt_tokens()
         self.metrics.prompt_tokens.labels(self.tenant).inc(prompt_tokens)

@@ -3,6 +3,8 @@
 Engine-side gauges (queue depth, running batch, KV pages) are read from the engine thread's
 latest `EngineStats` snapshot at scrape time. Latencies are measured on the gateway side:
 time to first token from arrival; time per output token between first and last token.
+Prefix-cache counters (hit and miss tokens, evicted pages) are the engine's own totals, read
+from the same snapshot.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_engine import EngineStats
@@ -60,7 +63,9 @@ class Metrics:
             "switchboard_queue_depth": ("Sequences waiting for a batch seat", queue_depth),
             "switchboard_running_batch_size": (
                 "Sequences in the running batch", lambda: stats().num_running),
-            "switchboard_kv_pages_used": ("KV cache pages in use", lambda: stats().kv_pages_used),
+            "switchboard_kv_pages_used": (
+                "KV pages held by requests or pinned by sessions (evictable cache excluded)",
+                lambda: stats().kv_pages_used),
             "switchboard_kv_pages_total": ("KV cache pages in all", lambda: stats().kv_pages_total),
             "switchboard_jump_forward_tokens": (
                 "Tokens appended by grammar jump-forward instead of sampled (cumulative)",
@@ -69,9 +74,33 @@ class Metrics:
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
+        r.register(_PrefixCacheCollector(stats))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _PrefixCacheCollector:
+    """The engine's prefix-cache totals as Prometheus counters and gauges."""
+
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.stats = stats
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        p = self.stats().prefix
+        for name, doc, value in [
+            ("switchboard_prefix_cache_hit_tokens", "Prompt tokens served from cached KV",
+             p.hit_tokens),
+            ("switchboard_prefix_cache_miss_tokens", "Prompt tokens that had to be computed",
+             p.miss_tokens),
+            ("switchboard_prefix_cache_evicted_pages", "KV pages evicted from the prefix cache",
+             p.evicted_pages),
+        ]:
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("switchboard_prefix_cache_pages", "KV pages the prefix cache holds",
+                                value=p.cached_pages)
+        yield GaugeMetricFamily("switchboard_session_pinned_pages",
+                                "KV pages sessions keep pinned between turns", value=p.pinned_pages)
 
 
 class RequestCounter:

@@ -2,8 +2,8 @@
 
 The extension points for later issues live here, each one function the request passes
 through: `resolve_adapter` (adapters as `model`), `resolve_constraint` (`response_format`,
-`tools`: structured output) and `resolve_session` (`session_id`). Today they accept the
-plain cases and refuse what is not built yet with a clear 400, never silently.
+`tools`: structured output) and `resolve_session` (`session_id`, in gateway/sessions.py). They
+accept the plain cases and refuse what is not built yet with a clear 400, never silently.
 """
 
 from __future__ import annotations
@@ -62,12 +62,6 @@ def resolve_constraint(body: ChatCompletionRequest | CompletionRequest) -> Const
         return parse_constraint(body.response_format, body.structured_outputs)
     except GrammarError as e:
         raise bad_request(e.message, e.param or "response_format") from None
-
-
-def resolve_session(body: ChatCompletionRequest | CompletionRequest, tenant: str) -> None:
-    """Stateful sessions come with the sessions issue; `session_id` is accepted and has no
-    effect until then (a session only changes speed, never the output)."""
-    return None
 
 
 # -- planning ---------------------------------------------------------------------------

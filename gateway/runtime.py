@@ -15,6 +15,7 @@ from gateway.limits import TenantLimiter
 from gateway.metrics import Metrics
 from gateway.params import EngineFacts
 from gateway.tokenizer import GatewayTokenizer
+from sessions.store import MemoryStore, RedisStore, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,9 @@ class Runtime:
         self.auth = Authenticator(config.api_keys)
         self.limiter = TenantLimiter(config.limits_for)
         self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth)
+        self.sessions: SessionStore = (
+            RedisStore(config.redis_url) if config.redis_url else MemoryStore()
+        )
         self.tokenizer: GatewayTokenizer | None = None
         self.facts: EngineFacts | None = None
         self.load_error: BaseException | None = None
@@ -46,6 +50,7 @@ class Runtime:
         if self._loader is not None:
             self._loader.cancel()
         await asyncio.to_thread(self.engine.shutdown)
+        await self.sessions.close()
 
     async def _finish_loading(self) -> None:
         try:

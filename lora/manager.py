@@ -23,6 +23,7 @@ one lock guards all state. Weights are copied host -> device only on the engine 
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import threading
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from engine.request import Request
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_UIDS = itertools.count(1)
 
 
 class AdapterExists(KeyError):
@@ -85,6 +87,7 @@ class _Entry:
     loading: Future[LoraAdapter] | None = None  # disk -> host read in flight
     slot: int | None = None  # device tier
     active: int = 0  # admitted requests using the slot (pins it)
+    uid: int = field(default_factory=lambda: next(_UIDS))  # a name added again is a new uid
 
 
 @dataclass
@@ -220,6 +223,12 @@ class AdapterManager:
             if entry.adapter is not None:
                 self._host.move_to_end(entry)
             return True
+
+    def uid_of(self, req: Request) -> int:
+        """Which registration of its adapter `req` runs (0: base). KV computed under one
+        must never serve another, even under the same name (the prefix cache keys on it)."""
+        entry = self._attached.get(req)
+        return 0 if entry is None else entry.uid
 
     def slot_of(self, req: Request) -> int:
         entry = self._attached.get(req)

@@ -62,7 +62,8 @@ class FakeEngine:
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         pass
 
-    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, tenant: str):
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, tenant: str,
+                    session_id: str | None = None):
         if params.max_tokens == POISON_ADD:
             raise RuntimeError("poisoned add")
         if params.max_tokens == INVALID:

@@ -1,0 +1,112 @@
+"""A session's turn: a chat completion with `session_id`.
+
+The turn's messages are appended to the stored history, the whole history is the prompt, and
+the reply is appended too. The engine keeps the turn's KV pinned in the prefix cache for the
+next turn (`GenerateRequest.session_id`); whether it is still there or must be recomputed
+changes only speed, never the reply. The turn is acknowledged (response body, or the
+stream's `[DONE]`) only after its history is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import APIError, bad_request
+from gateway.params import chat_messages
+from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.sse import DONE, event
+from sessions.store import Message, Session, SessionStore, StoreUnavailable
+
+if TYPE_CHECKING:
+    from gateway.generation import Generation
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[ChatMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    ttl_seconds: int | None = Field(None, ge=1)
+
+
+class ForkSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message_index: int | None = Field(None, ge=0, description="keep messages[:message_index]")
+
+
+def session_not_found(session_id: str) -> APIError:
+    return APIError(404, f"No session found with id '{session_id}'.", param="session_id",
+                    code="session_not_found")
+
+
+def store_unavailable(e: StoreUnavailable) -> APIError:
+    return APIError(503, f"Sessions are unavailable: {e}", "server_error",
+                    code="session_store_unavailable", headers={"Retry-After": "1"})
+
+
+async def find_session(store: SessionStore, tenant: str, session_id: str) -> Session:
+    """The tenant's session, or a 404 that does not say whether another tenant has it."""
+    session = await store.get(tenant, session_id)
+    if session is None:
+        raise session_not_found(session_id)
+    return session
+
+
+async def resolve_session(
+    body: ChatCompletionRequest | CompletionRequest, tenant: str, store: SessionStore
+) -> SessionTurn | None:
+    """The session turn `session_id` names (None: a sessionless request). 404 for an
+    unknown, expired or other tenant's session; 400 for a `model` other than the session's."""
+    if body.session_id is None:
+        return None
+    if not isinstance(body, ChatCompletionRequest):
+        raise bad_request("session_id works with chat completions only", "session_id")
+    session = await find_session(store, tenant, body.session_id)
+    if body.model != session.model:
+        raise bad_request(f"session '{session.id}' uses model '{session.model}', not "
+                          f"'{body.model}'", "model")
+    if body.n != 1:
+        raise bad_request("a session turn has one reply: n must be 1", "n")
+    return SessionTurn(store, session, chat_messages(body))
+
+
+@dataclass
+class SessionTurn:
+    store: SessionStore
+    session: Session
+    new_messages: list[Message]  # what this turn adds before the reply
+
+    def prompt_body(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
+        """`body` with the whole history (stored + new messages) as its messages."""
+        history = [ChatMessage(**m) for m in self.session.messages + self.new_messages]
+        return body.model_copy(update={"messages": history})
+
+    async def commit(self, gen: Generation) -> None:
+        """Append this turn and its reply to the history (nothing if generation failed)."""
+        choice = gen.ordered[0]
+        if choice.finish_reason in (None, "error", "abort"):
+            return
+        reply = {"role": "assistant", "content": choice.text}
+        await self.store.append(self.session, [*self.new_messages, reply])
+
+    async def commit_before_done(
+        self, events: AsyncIterator[str], gen: Generation
+    ) -> AsyncIterator[str]:
+        """A stream whose `[DONE]` comes only after the history is written."""
+        try:
+            async for e in events:
+                if e == DONE:
+                    try:
+                        await self.commit(gen)
+                    except StoreUnavailable as err:
+                        yield event(store_unavailable(err).body())
+                yield e
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+

@@ -1,0 +1,185 @@
+"""Session stores: where a session's metadata and full message history live.
+
+Two implementations: `MemoryStore` (in-process, the embedded default) and `RedisStore`
+(`--redis-url`: durable across restarts, shared by replicas). Histories are plain Redis data
+(a hash for metadata, a list of JSON messages), with the session's TTL on both keys.
+
+Contract for every store: `get` answers None for a session that does not exist, has expired,
+or belongs to another tenant (callers must not tell these apart); `append` returns only once
+the messages are stored; a store that cannot be reached raises `StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+Message = dict[str, Any]
+
+
+class StoreUnavailable(RuntimeError):
+    """The session store cannot be reached."""
+
+
+@dataclass
+class Session:
+    tenant: str
+    model: str
+    messages: list[Message] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    ttl_seconds: int | None = None  # None: never expires
+    id: str = field(default_factory=lambda: f"sess_{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def fork(self, num_messages: int) -> Session:
+        """A new session holding the first `num_messages` messages."""
+        return replace(self, messages=list(self.messages[:num_messages]),
+                       id=f"sess_{uuid.uuid4().hex}", created=int(time.time()))
+
+    def public(self) -> dict[str, Any]:
+        """The HTTP body for this session."""
+        return {"id": self.id, "object": "session", "created": self.created,
+                "model": self.model, "tools": self.tools, "ttl_seconds": self.ttl_seconds,
+                "messages": self.messages}
+
+
+class SessionStore(ABC):
+    @abstractmethod
+    async def create(self, session: Session) -> None: ...
+
+    @abstractmethod
+    async def get(self, tenant: str, session_id: str) -> Session | None: ...
+
+    @abstractmethod
+    async def append(self, session: Session, messages: list[Message]) -> None:
+        """Add `messages` to the history and restart the TTL; `session.messages` too."""
+
+    @abstractmethod
+    async def delete(self, tenant: str, session_id: str) -> bool:
+        """True when the tenant's session existed."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class MemoryStore(SessionStore):
+    def __init__(self) -> None:
+        self._sessions: dict[str, tuple[Session, float]] = {}  # id -> (session, expires at)
+
+    async def create(self, session: Session) -> None:
+        self._put(replace(session, messages=list(session.messages)))  # ours, not the caller's
+
+    async def get(self, tenant: str, session_id: str) -> Session | None:
+        entry = self._sessions.get(session_id)
+        if entry is None:
+            return None
+        session, expires = entry
+        if time.monotonic() >= expires:
+            del self._sessions[session_id]
+            return None
+        if session.tenant != tenant:
+            return None
+        return replace(session, messages=list(session.messages))
+
+    async def append(self, session: Session, messages: list[Message]) -> None:
+        stored = self._sessions.get(session.id)
+        if stored is not None:
+            stored[0].messages.extend(messages)
+            self._put(stored[0])
+        session.messages.extend(messages)
+
+    async def delete(self, tenant: str, session_id: str) -> bool:
+        if await self.get(tenant, session_id) is None:
+            return False
+        del self._sessions[session_id]
+        return True
+
+    def _put(self, session: Session) -> None:
+        ttl = session.ttl_seconds
+        expires = float("inf") if ttl is None else time.monotonic() + ttl
+        self._sessions[session.id] = (session, expires)
+
+
+class RedisStore(SessionStore):
+    """Keys: `{prefix}{id}` (hash: tenant, model, tools, ttl_seconds, created) and
+    `{prefix}{id}:messages` (list of JSON messages)."""
+
+    def __init__(self, url: str, prefix: str = "switchboard:session:"):
+        import redis.asyncio as aioredis
+
+        self._redis = aioredis.Redis.from_url(url, decode_responses=True,
+                                              socket_connect_timeout=2, socket_timeout=5)
+        self.prefix = prefix
+
+    async def create(self, session: Session) -> None:
+        key = self.prefix + session.id
+        meta = {"tenant": session.tenant, "model": session.model,
+                "tools": json.dumps(session.tools), "created": session.created,
+                "ttl_seconds": "" if session.ttl_seconds is None else session.ttl_seconds}
+        async with _errors():
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hset(key, mapping=meta)
+            if session.messages:
+                pipe.rpush(key + ":messages", *map(json.dumps, session.messages))
+            self._expire(pipe, session)
+            await pipe.execute()
+
+    async def get(self, tenant: str, session_id: str) -> Session | None:
+        key = self.prefix + session_id
+        async with _errors():
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hgetall(key)
+            pipe.lrange(key + ":messages", 0, -1)
+            meta, messages = await pipe.execute()
+        if not meta or meta.get("tenant") != tenant:
+            return None
+        ttl = meta.get("ttl_seconds") or None
+        return Session(tenant=tenant, model=meta["model"], id=session_id,
+                       messages=[json.loads(m) for m in messages],
+                       tools=json.loads(meta.get("tools") or "null"),
+                       ttl_seconds=None if ttl is None else int(ttl),
+                       created=int(meta.get("created") or 0))
+
+    async def append(self, session: Session, messages: list[Message]) -> None:
+        key = self.prefix + session.id
+        if messages:
+            async with _errors():
+                pipe = self._redis.pipeline(transaction=True)
+                pipe.rpush(key + ":messages", *map(json.dumps, messages))
+                self._expire(pipe, session)
+                await pipe.execute()
+        session.messages.extend(messages)
+
+    async def delete(self, tenant: str, session_id: str) -> bool:
+        if await self.get(tenant, session_id) is None:
+            return False
+        key = self.prefix + session_id
+        async with _errors():
+            await self._redis.delete(key, key + ":messages")
+        return True
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    def _expire(self, pipe: Any, session: Session) -> None:
+        if session.ttl_seconds is not None:
+            key = self.prefix + session.id
+            pipe.expire(key, session.ttl_seconds)
+            pipe.expire(key + ":messages", session.ttl_seconds)
+
+
+@asynccontextmanager
+async def _errors() -> AsyncIterator[None]:
+    """Turns the Redis client's connection failures into `StoreUnavailable`."""
+    from redis.exceptions import ConnectionError, TimeoutError
+
+    try:
+        yield
+    except (ConnectionError, TimeoutError) as e:
+        raise StoreUnavailable(f"the session store is unreachable: {e}") from e
