@@ -10,7 +10,7 @@ Per turn: time to first token (streaming, from request to first chunk) and prefi
 computed (prompt_tokens - cached_tokens from usage). Greedy decoding, so both runs see the
 same conversation.
 
-    .venv/bin/python benchmarks/session_turns.py [--turns 10] [--out FILE]
+    .venv/bin/python benchmarks/agent_sessions.py [--turns 10] [--out FILE]
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def main() -> None:
         "",
         f"Machine: {machine()}; SmolLM2-135M-Instruct, float32 CPU, {args.threads} torch "
         f"thread(s) per server; {args.turns} turns, each adding a ~200-token tool result; "
-        f"{args.max_tokens} greedy reply tokens. `benchmarks/session_turns.py`.",
+        f"{args.max_tokens} greedy reply tokens. `benchmarks/agent_sessions.py`.",
         "",
         "| turn | prompt tokens | prefilled (sessions) | prefilled (no cache) | TTFT sessions (ms)"
         " | TTFT no cache (ms) | TTFT ratio |",
