@@ -16,6 +16,7 @@ from engine.sampling_params import InvalidRequestError, SamplingParams
 from gateway.errors import bad_request, model_not_found
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import GatewayTokenizer
+from gateway.tools import render_messages, tools_constraint
 from grammar.spec import ConstraintSpec, GrammarError, parse_constraint
 
 
@@ -54,10 +55,13 @@ def resolve_adapter(requested: str, served: str, tenant: str, adapters: Any = No
 
 
 def resolve_constraint(body: ChatCompletionRequest | CompletionRequest) -> ConstraintSpec | None:
-    """The structured-output constraint of the request (None: free text); a malformed
-    `response_format` / `structured_outputs` is a 400 naming the problem."""
-    if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice != "none":
-        raise bad_request("tools are not supported yet", "tools")
+    """The structured-output constraint of the request (None: free text): the tool-call format
+    when tools are on (gateway/tools.py), else `response_format` / `structured_outputs`. A
+    malformed one is a 400 naming the problem."""
+    if isinstance(body, ChatCompletionRequest):
+        spec = tools_constraint(body)
+        if spec is not None:
+            return spec
     try:
         return parse_constraint(body.response_format, body.structured_outputs)
     except GrammarError as e:
@@ -67,23 +71,17 @@ def resolve_constraint(body: ChatCompletionRequest | CompletionRequest) -> Const
 # -- planning ---------------------------------------------------------------------------
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    out = []
-    for m in body.messages:
-        role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": m.text()})
-    return out
-
-
 def plan_chat(
     body: ChatCompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
 ) -> list[Job]:
+    messages, tools = render_messages(body, native=tok.speaks_tool_calls)
     try:
-        prompt = tok.chat_prompt(chat_messages(body))
+        prompt = tok.chat_prompt(messages, tools)
     except InvalidRequestError as e:
         raise bad_request(e.message, e.param) from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _jobs([prompt], body, logprobs, tok, facts, adapter, prompt_param="messages")
+    return _jobs([prompt], body, logprobs, tok, facts, adapter, prompt_param="messages",
+                 constraint=tools_constraint(body))
 
 
 def plan_completion(
@@ -107,13 +105,14 @@ def _jobs(
     facts: EngineFacts,
     adapter: str | None,
     prompt_param: str,
+    constraint: ConstraintSpec | None = None,
 ) -> list[Job]:
     bias = _logit_bias(body.logit_bias, tok.vocab_size)
     jobs = []
     for p, ids in enumerate(prompts):
         for j in range(body.n):
             try:
-                params = _params(body, len(ids), logprobs, bias, facts, adapter, j)
+                params = _params(body, len(ids), logprobs, bias, facts, adapter, j, constraint)
                 facts.validate(ids, params)
             except InvalidRequestError as e:
                 param = prompt_param if e.param == "prompt" else e.param
@@ -130,6 +129,7 @@ def _params(
     facts: EngineFacts,
     adapter: str | None,
     choice: int,
+    constraint: ConstraintSpec | None = None,
 ) -> SamplingParams:
     max_tokens = body.output_limit
     if max_tokens is None:  # what is left of the context, capped by the config
@@ -154,6 +154,7 @@ def _params(
         logit_bias=bias,
         response_format=body.response_format,
         structured_outputs=body.structured_outputs,
+        constraint=constraint,  # tool calls; else parsed from the two fields above
         adapter=adapter,
     )
 

@@ -6,32 +6,39 @@ Both formats offer the same three methods the serving code calls: `body` (the wh
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from engine.messages import RequestOutput, TokenLogprob
 from gateway.generation import Choice, Generation
 from gateway.tokenizer import GatewayTokenizer
+from grammar.tool_parser import Arguments, CallStart, Event, Text, ToolCallParser
+from grammar.tools import valid_calls
 
 
 class ChatFormat:
+    """Chat responses. A choice constrained to tool calls is split by `ToolCallParser` into
+    content and `tool_calls`, streamed as OpenAI's `delta.tool_calls` (index, id and name
+    first, then argument fragments) that add up to exactly the non-streamed message."""
+
     def __init__(self, gen: Generation, model: str, tok: GatewayTokenizer, include_usage: bool):
         self.gen, self.model, self.tok, self.include_usage = gen, model, tok, include_usage
         self._started: set[int] = set()
+        self._parsers: dict[int, ToolCallParser] = {}  # choice index -> its stream's parser
+        self._ids: dict[tuple[int, int], str] = {}  # (choice, call) -> call id
 
     def body(self) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.logprobs) if c.job.params.logprobs is not None
-                else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in self.gen.ordered
-        ]
+        choices = []
+        for c in self.gen.ordered:
+            message, finish = self._message(c)
+            lp = self._logprobs(c.logprobs) if c.job.params.logprobs is not None else None
+            choices.append({"index": c.index, "message": message, "logprobs": lp,
+                            "finish_reason": finish})
         return self._envelope("chat.completion", choices, usage=self.gen.usage())
 
     def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
+        if _tool_spec(choice) is not None:
+            return self._tool_chunks(choice, out)
         chunks = []
         delta: dict[str, Any] = {}
         if choice.index not in self._started:
@@ -45,6 +52,59 @@ class ChatFormat:
         if out.finished:
             chunks.append(self._chunk(choice.index, {}, None, choice.finish_reason))
         return chunks
+
+    # -- tool calls -----------------------------------------------------------------------
+
+    def _message(self, c: Choice) -> tuple[dict[str, Any], str | None]:
+        spec = _tool_spec(c)
+        if spec is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        # Only a finished ("stop") output was checked by the engine; otherwise keep the
+        # complete calls that validate, never a call cut short.
+        parsed = ToolCallParser()
+        parsed.feed(c.text, final=True)
+        calls = valid_calls(spec, parsed.result.calls)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.result.content}
+        if calls:
+            message["tool_calls"] = [
+                {"id": self._call_id(c.index, i), "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}
+                for i, call in enumerate(calls)
+            ]
+        elif message["content"] is None:
+            message["content"] = ""
+        return message, _finish(c, bool(calls))
+
+    def _tool_chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
+        parser = self._parsers.setdefault(choice.index, ToolCallParser())
+        deltas = [self._delta(choice.index, e) for e in parser.feed(out.new_text, out.finished)]
+        deltas = [d for d in deltas if d]
+        if choice.index not in self._started:
+            self._started.add(choice.index)
+            deltas.insert(0, {"role": "assistant", "content": None})
+        logprobs = self._logprobs(out.logprobs) if out.logprobs else None
+        if logprobs and not deltas:
+            deltas.append({})
+        chunks = [self._chunk(choice.index, d, logprobs if i == 0 else None, None)
+                  for i, d in enumerate(deltas)]
+        if out.finished:
+            calls = any(c.complete for c in parser.result.calls)
+            chunks.append(self._chunk(choice.index, {}, None, _finish(choice, calls)))
+        return chunks
+
+    def _delta(self, index: int, e: Event) -> dict[str, Any]:
+        if isinstance(e, Text):
+            return {"content": e.text}
+        if isinstance(e, CallStart):
+            return {"tool_calls": [{"index": e.index, "id": self._call_id(index, e.index),
+                                    "type": "function",
+                                    "function": {"name": e.name, "arguments": ""}}]}
+        if isinstance(e, Arguments):
+            return {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+        return {}
+
+    def _call_id(self, choice: int, call: int) -> str:
+        return self._ids.setdefault((choice, call), f"call_{uuid.uuid4().hex[:24]}")
 
     def usage_chunk(self) -> dict[str, Any]:
         return self._envelope("chat.completion.chunk", [], usage=self.gen.usage())
@@ -67,6 +127,15 @@ class ChatFormat:
             {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
             for lp in lps
         ]}
+
+
+def _tool_spec(c: Choice):
+    spec = c.job.params.constraint
+    return spec if spec is not None and spec.kind == "tool_calls" else None
+
+
+def _finish(c: Choice, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and c.finish_reason == "stop" else c.finish_reason
 
 
 class CompletionFormat:

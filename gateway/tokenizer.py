@@ -29,12 +29,23 @@ class GatewayTokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    @property
+    def speaks_tool_calls(self) -> bool:
+        """The chat template renders tools and tool messages itself, in the Hermes
+        `<tool_call>` format the tool grammar enforces (Qwen2.5, Hermes); else the gateway
+        writes the generic fallback prompt (gateway/tools.py)."""
+        template = self.hf.chat_template
+        return isinstance(template, str) and "tools" in template and "<tool_call>" in template
+
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of the conversation in the model's chat template, ready for the
-        assistant's turn."""
+        assistant's turn. `tools` only for templates that render them (`speaks_tool_calls`)."""
+        extra = {"tools": tools} if tools else {}
         try:
             text = self.hf.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, add_generation_prompt=True, tokenize=False, **extra
             )
         except Exception as e:  # jinja raises for conversations the template refuses
             raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from e

@@ -16,7 +16,7 @@ import referencing
 import referencing.exceptions
 from referencing.jsonschema import DRAFT202012
 
-ConstraintKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
+ConstraintKind = Literal["json_object", "json_schema", "regex", "grammar", "choice", "tool_calls"]
 
 MAX_SPEC_BYTES = 4 << 20  # a schema, regex or grammar larger than this is refused at once
 
@@ -53,7 +53,8 @@ class ConstraintSpec:
 
     `payload` by kind: json_schema -> the schema as compact JSON text (key order kept, since
     it fixes the order properties are generated in); regex / grammar -> the pattern or
-    EBNF/GBNF text; choice -> the tuple of allowed strings; json_object -> None.
+    EBNF/GBNF text; choice -> the tuple of allowed strings; json_object -> None; tool_calls ->
+    JSON text of the allowed tools and the call mode (built by `grammar.tools`).
     """
 
     kind: ConstraintKind

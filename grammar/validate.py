@@ -20,6 +20,10 @@ def check_output(spec: ConstraintSpec, text: str) -> str | None:
 
     EBNF grammars have no independent checker: the matcher's termination is the proof.
     """
+    if spec.kind == "tool_calls":
+        from grammar.tools import check_tool_output
+
+        return check_tool_output(spec, text)
     if spec.kind in ("json_object", "json_schema"):
         try:
             value = json.loads(text)

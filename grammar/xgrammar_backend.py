@@ -1,4 +1,4 @@
-"""xgrammar: the default backend. JSON Schema, regex, EBNF/GBNF and choice; exact masks from a
+"""xgrammar: the default backend. JSON Schema, regex, EBNF/GBNF, choice and tool calls; exact masks from a
 pushdown automaton, jump-forward strings, and rollback."""
 
 from __future__ import annotations
@@ -64,6 +64,10 @@ class XGrammarBackend(Backend):
                 compiled = c.compile_regex(spec.payload)
             elif spec.kind == "grammar":
                 compiled = c.compile_grammar(spec.payload)
+            elif spec.kind == "tool_calls":
+                from grammar.tools import structural_tag
+
+                compiled = c.compile_structural_tag(json.dumps(structural_tag(spec)))
             elif spec.kind == "choice":
                 alts = " | ".join(_ebnf_literal(s) for s in spec.payload)
                 compiled = c.compile_grammar(f"root ::= {alts}")

@@ -1,0 +1,138 @@
+"""Tool calling at the edge: validate `tools` / `tool_choice` / tool histories (400s naming the
+problem) and render tool conversations for the chat template.
+
+Templates that speak the Hermes call format (their source mentions `<tool_call>`: Qwen2.5,
+Hermes 2/3, SmolLM3) get the tools and structured tool messages natively. Any other template
+(SmolLM2, Llama 2, ...) gets the generic fallback: the tool list and the call format in the
+system message, assistant calls written out as `<tool_call>` blocks, tool results as user
+messages wrapped in `<tool_response>`. Both produce the format the grammar enforces.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import bad_request
+from gateway.schemas import ChatCompletionRequest
+from grammar.spec import ConstraintSpec, GrammarError
+from grammar.tool_parser import render_call
+from grammar.tools import ToolChoice, parse_tools, tool_constraint
+
+FALLBACK_SYSTEM = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def resolve_tools(body: ChatCompletionRequest) -> ToolChoice | None:
+    """The request's validated tools (None: none offered); a 400 naming the problem."""
+    try:
+        return parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except GrammarError as e:
+        raise bad_request(e.message, e.param or "tools") from None
+
+
+def tools_constraint(body: ChatCompletionRequest) -> ConstraintSpec | None:
+    """The tool-call constraint (None when calls are off); refuses `response_format` beside
+    active tools, since the output is then the call format."""
+    spec = tool_constraint(resolve_tools(body))
+    if spec is not None and (body.response_format or body.structured_outputs):
+        if (body.response_format or {}).get("type") != "text":
+            raise bad_request("response_format cannot be combined with tools unless "
+                              "tool_choice is 'none'", "response_format")
+    return spec
+
+
+def render_messages(
+    body: ChatCompletionRequest, native: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for the chat template. `native`: the template renders tools and tool
+    messages itself; else the fallback prompt above. Checks that every `tool` message answers
+    a call of an earlier assistant message."""
+    choice = resolve_tools(body)
+    call_ids: set[str] = set()
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        role = "system" if m.role == "developer" else m.role
+        calls = _tool_calls(m, i) if role == "assistant" else []
+        call_ids.update(c["id"] for c in calls)
+        if role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request("a 'tool' message needs 'tool_call_id'",
+                                  f"messages[{i}].tool_call_id")
+            if m.tool_call_id not in call_ids:
+                raise bad_request(f"tool_call_id {m.tool_call_id!r} matches no tool call of an "
+                                  "earlier assistant message", f"messages[{i}].tool_call_id")
+        messages.append(_native(role, m.text(), calls, m.tool_call_id) if native
+                        else _fallback(role, m.text(), calls, messages))
+    messages = [{k: v for k, v in m.items() if k != "_tool"} for m in messages]
+    tools = [t.openai() for t in choice.tools] if choice and choice.mode != "none" else None
+    if tools is None or native:
+        return messages, tools
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    prompt = FALLBACK_SYSTEM.format(tools=listing)
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}
+    else:
+        messages.insert(0, {"role": "system", "content": prompt})
+    return messages, None
+
+
+def _tool_calls(m: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's calls as {id, name, arguments}; a 400 when malformed."""
+    out = []
+    for j, c in enumerate(m.tool_calls or []):
+        p = f"messages[{i}].tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(c, dict) or not isinstance(c.get("id"), str) or not isinstance(fn, dict):
+            raise bad_request(f"{p} must have an 'id' string and a 'function' object", p)
+        name, args = fn.get("name"), fn.get("arguments", "{}")
+        if not isinstance(name, str) or not isinstance(args, str):
+            raise bad_request(f"{p}.function needs 'name' and 'arguments' strings", p)
+        out.append({"id": c["id"], "name": name, "arguments": args})
+    return out
+
+
+def _native(role: str, text: str, calls: list[dict[str, Any]], call_id: str | None):
+    msg: dict[str, Any] = {"role": role, "content": text}
+    if calls:
+        msg["tool_calls"] = [
+            {"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": _loads(c["arguments"])}}
+            for c in calls
+        ]
+    if role == "tool":
+        msg["tool_call_id"] = call_id
+    return msg
+
+
+def _fallback(role: str, text: str, calls: list[dict[str, Any]], before: list[dict[str, Any]]):
+    if calls:
+        blocks = "\n".join(render_call(c["name"], c["arguments"]) for c in calls)
+        return {"role": "assistant", "content": f"{text}\n{blocks}" if text else blocks}
+    if role == "tool":
+        block = f"<tool_response>\n{text}\n</tool_response>"
+        prev = before[-1] if before else None
+        if prev is not None and prev.get("_tool"):  # consecutive results: one user turn
+            before.pop()
+            block = prev["content"] + "\n" + block
+        return {"role": "user", "content": block, "_tool": True}
+    return {"role": role, "content": text}
+
+
+def _loads(args: str) -> Any:
+    try:
+        return json.loads(args)
+    except json.JSONDecodeError:
+        return args

@@ -1,0 +1,226 @@
+"""Tool calls as a constraint: OpenAI `tools` / `tool_choice` / `parallel_tool_calls` ->
+a `tool_calls` ConstraintSpec the engine runs like any other grammar.
+
+Pure Python (no torch): the gateway validates tools here and answers a 400 naming the problem.
+
+The constraint (xgrammar structural tag, built by `structural_tag`):
+- `required` / a named tool: the whole output is one call (or several, separated by a
+  newline, when parallel calls are allowed) to an allowed tool, arguments following its schema;
+- `auto`: free text (never containing `<tool_call>`) until the model writes the trigger
+  `<tool_call>`; from there the call is constrained the same way.
+- `none`: no constraint at all (`tool_constraint` returns None).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+
+from grammar.spec import MAX_SPEC_BYTES, ConstraintSpec, GrammarError, check_json_schema
+from grammar.tool_parser import (
+    ARGS_HEAD,
+    CALL_END,
+    CALL_HEAD,
+    NAME,
+    SEPARATOR,
+    TRIGGER,
+    ParsedCall,
+    arguments_error,
+    parse_tool_output,
+)
+
+Mode = Literal["none", "auto", "required"]
+MAX_WHITESPACE = 1  # consecutive whitespace in arguments: keeps a small model terse
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]  # a JSON schema for the arguments object
+
+    def openai(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """The validated tool fields of one request."""
+
+    tools: tuple[Tool, ...]  # all offered tools (rendered in the prompt)
+    mode: Mode
+    allowed: tuple[str, ...]  # the tools the output may call (one for a named tool)
+    parallel: bool
+
+
+def parse_tools(tools: Any, tool_choice: Any = None, parallel: Any = None) -> ToolChoice | None:
+    """Validate the request's tool fields; None when no tools are offered.
+
+    Raises GrammarError (param: `tools[i]...`, `tool_choice`) for a parameters object that is
+    not a JSON schema, duplicate or malformed names, or a tool_choice naming no offered tool.
+    """
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none", "auto"):
+            raise GrammarError("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise GrammarError("tools must be a list", "tools")
+    parsed: list[Tool] = []
+    for i, t in enumerate(tools):
+        parsed.append(_tool(t, f"tools[{i}]"))
+    seen: set[str] = set()
+    for i, t in enumerate(parsed):
+        if t.name in seen:
+            raise GrammarError(f"duplicate tool name {t.name!r}", f"tools[{i}].function.name")
+        seen.add(t.name)
+    if parallel is not None and not isinstance(parallel, bool):
+        raise GrammarError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    mode, allowed = _choice(tool_choice, [t.name for t in parsed])
+    named = isinstance(tool_choice, dict)  # a named tool: exactly one call to it
+    return ToolChoice(tuple(parsed), mode, allowed, parallel is not False and not named)
+
+
+def tool_constraint(choice: ToolChoice | None) -> ConstraintSpec | None:
+    """The constraint for `choice` (None when calls are off: no tools or tool_choice none)."""
+    if choice is None or choice.mode == "none":
+        return None
+    by_name = {t.name: t for t in choice.tools}
+    payload = {
+        "mode": choice.mode,
+        "parallel": choice.parallel,
+        "tools": [{"name": n, "parameters": by_name[n].parameters} for n in choice.allowed],
+    }
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    if len(text.encode()) > MAX_SPEC_BYTES:
+        raise GrammarError(f"tools are over the {MAX_SPEC_BYTES} byte limit", "tools")
+    return ConstraintSpec("tool_calls", text, param="tools")
+
+
+def structural_tag(spec: ConstraintSpec) -> dict[str, Any]:
+    """xgrammar's structural tag (JSON form) for a `tool_calls` spec."""
+    payload = _payload(spec)
+    tags = [
+        {
+            "type": "tag",
+            "begin": f"{CALL_HEAD}{t['name']}{ARGS_HEAD}",
+            "content": {"type": "json_schema", "json_schema": t["parameters"],
+                        "max_whitespace_cnt": MAX_WHITESPACE},
+            "end": CALL_END,
+        }
+        for t in payload["tools"]
+    ]
+    single = not payload["parallel"]
+    if payload["mode"] == "required":
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR,
+               "at_least_one": True, "stop_after_first": single}
+    else:
+        fmt = {"type": "triggered_tags", "triggers": [TRIGGER], "tags": tags,
+               "at_least_one": False, "stop_after_first": single}
+    return {"type": "structural_tag", "format": fmt}
+
+
+def check_tool_output(spec: ConstraintSpec, text: str) -> str | None:
+    """None if a finished output is in the call format, every call names an allowed tool and
+    its arguments validate against that tool's schema; else a one-line reason."""
+    payload = _payload(spec)
+    schemas = {t["name"]: t["parameters"] for t in payload["tools"]}
+    out = parse_tool_output(text)
+    if out.malformed:
+        return out.malformed
+    if payload["mode"] == "required" and not out.calls:
+        return "no tool call in the output"
+    if payload["mode"] == "required" and out.content:
+        return "text outside the tool calls"
+    if not payload["parallel"] and len(out.calls) > 1:
+        return "several tool calls while parallel_tool_calls is false"
+    for call in out.calls:
+        if call.name not in schemas:
+            return f"a call to {call.name!r}, which is not an allowed tool"
+        why = arguments_error(call, schemas[call.name], validate_instance)
+        if why:
+            return why
+    return None
+
+
+def valid_calls(spec: ConstraintSpec, calls: list[ParsedCall]) -> list[ParsedCall]:
+    """The leading calls that are complete, name an allowed tool and validate: what a response
+    may return as calls (an output cut by max_tokens keeps the calls before the cut)."""
+    schemas = {t["name"]: t["parameters"] for t in _payload(spec)["tools"]}
+    out = []
+    for call in calls:
+        if call.name not in schemas or arguments_error(call, schemas[call.name],
+                                                       validate_instance):
+            break
+        out.append(call)
+    return out
+
+
+def validate_instance(schema: dict[str, Any] | bool, value: Any) -> str | None:
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    error = jsonschema.exceptions.best_match(
+        cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value)
+    )
+    if error is None:
+        return None
+    where = "/".join(str(x) for x in error.absolute_path) or "(root)"
+    return f"at {where}: {error.message}"
+
+
+def _payload(spec: ConstraintSpec) -> dict[str, Any]:
+    if spec.kind != "tool_calls" or not isinstance(spec.payload, str):
+        raise ValueError(f"not a tool_calls constraint: {spec.kind}")
+    return json.loads(spec.payload)
+
+
+def _tool(t: Any, p: str) -> Tool:
+    if not isinstance(t, dict):
+        raise GrammarError(f"{p} must be an object", p)
+    if t.get("type") != "function":
+        raise GrammarError(f"{p}.type must be 'function'; got {t.get('type')!r}", f"{p}.type")
+    fn = t.get("function")
+    if not isinstance(fn, dict):
+        raise GrammarError(f"{p}.function must be an object", f"{p}.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or NAME.fullmatch(name) is None:
+        raise GrammarError(
+            f"{p}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$; got {name!r}",
+            f"{p}.function.name",
+        )
+    desc = fn.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise GrammarError(f"{p}.function.description must be a string", f"{p}.function.description")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    q = f"{p}.function.parameters"
+    if not isinstance(params, dict):
+        raise GrammarError(f"{q} must be a JSON schema object", q)
+    if params.get("type", "object") != "object":
+        raise GrammarError(f"{q} must describe an object (type 'object')", q)
+    check_json_schema(params, q)
+    return Tool(name, desc, params)
+
+
+def _choice(choice: Any, names: list[str]) -> tuple[Mode, tuple[str, ...]]:
+    if choice is None or choice == "auto":
+        return "auto", tuple(names)
+    if choice in ("none", "required"):
+        return choice, tuple(names)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise GrammarError("tool_choice.function.name must be a string", "tool_choice")
+        if name not in names:
+            raise GrammarError(f"tool_choice names {name!r}, which is not among the tools",
+                               "tool_choice")
+        return "required", (name,)
+    raise GrammarError(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}', "tool_choice",
+    )
