@@ -195,7 +195,8 @@ def _tool(t: Any, p: str) -> Tool:
         )
     desc = fn.get("description")
     if desc is not None and not isinstance(desc, str):
-        raise GrammarError(f"{p}.function.description must be a string", f"{p}.function.description")
+        q = f"{p}.function.description"
+        raise GrammarError(f"{q} must be a string", q)
     params = fn.get("parameters", {"type": "object", "properties": {}})
     q = f"{p}.function.parameters"
     if not isinstance(params, dict):

@@ -1,5 +1,6 @@
-"""xgrammar: the default backend. JSON Schema, regex, EBNF/GBNF, choice and tool calls; exact masks from a
-pushdown automaton, jump-forward strings, and rollback."""
+"""xgrammar: the default backend. JSON Schema, regex, EBNF/GBNF, choice and tool calls (a
+structural tag, grammar/tools.py); exact masks from a pushdown automaton, jump-forward strings,
+and rollback."""
 
 from __future__ import annotations
 
