@@ -95,6 +95,7 @@ def agent(client: OpenAI, model: str, question: str, max_steps: int, max_tokens:
         last = step == max_steps
         reply = client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=0,
+            parallel_tool_calls=False,
             # The first step must use a tool; then the model may call more or answer.
             tool_choice="none" if last else ("required" if step == 0 else "auto"),
         ).choices[0]
