@@ -240,7 +240,8 @@ def test_resolve_constraint_refuses_bad_specs() -> None:
         return ChatCompletionRequest.model_validate_json(json.dumps(body))
 
     resolve_constraint(chat(response_format={"type": "text"}, tool_choice="none",
-                            tools=[{"type": "function"}], session_id="s1"))
+                            tools=[{"type": "function", "function": {"name": "f"}}],
+                            session_id="s1"))
     for extra, param in [({"response_format": {"type": "json_schema"}}, "response_format"),
                          ({"tools": [{"type": "function"}]}, "tools")]:
         with pytest.raises(APIError) as e:
