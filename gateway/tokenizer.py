@@ -34,7 +34,7 @@ class GatewayTokenizer:
         """The chat template renders tools and tool messages itself, in the Hermes
         `<tool_call>` format the tool grammar enforces (Qwen2.5, Hermes); else the gateway
         writes the generic fallback prompt (gateway/tools.py)."""
-        template = self.hf.chat_template
+        template = getattr(self.hf, "chat_template", None)
         return isinstance(template, str) and "tools" in template and "<tool_call>" in template
 
     def chat_prompt(
