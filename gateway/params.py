@@ -71,6 +71,21 @@ def resolve_constraint(body: ChatCompletionRequest | CompletionRequest) -> Const
 # -- planning ---------------------------------------------------------------------------
 
 
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's messages as plain dicts (what a session stores): role, text content, and
+    the tool fields when present."""
+    out = []
+    for m in body.messages:
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
 def plan_chat(
     body: ChatCompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
 ) -> list[Job]:
