@@ -97,16 +97,16 @@ def make_backend(name: str, vocab: TokenVocab) -> Backend:
         from grammar.outlines_backend import OutlinesBackend
 
         return OutlinesBackend(vocab)
-    if name in ("llguidance", "llguidance-lenient"):
+    if name in ("llguidance", "llguidance-relaxed"):
         from grammar.llguidance_backend import LLGuidanceBackend
 
-        return LLGuidanceBackend(vocab, lenient=name == "llguidance-lenient")
+        return LLGuidanceBackend(vocab, relaxed=name == "llguidance-relaxed")
     raise ValueError(f"unknown grammar backend {name!r}; expected one of {BACKEND_NAMES}")
 
 
 # The default fallback order, measured on the MaskBench dev set
 # (benchmarks/results/grammar_bench_cpu.md). llguidance refuses keywords it does not implement;
-# its lenient mode then ignores them, which passes more cases than xgrammar (which ignores them
-# too, and compiles schemas with optional properties in seconds); outlines-core is the last
-# resort. Outputs of every backend are checked by `grammar.validate.check_output`.
-BACKEND_NAMES = ("llguidance", "llguidance-lenient", "xgrammar", "outlines")
+# its relaxed mode then drops those that only rule instances out, which passes more cases than
+# xgrammar (which ignores them too, and compiles schemas with optional properties in seconds);
+# outlines-core is the last resort. `grammar.validate.check_output` checks every output.
+BACKEND_NAMES = ("llguidance", "llguidance-relaxed", "xgrammar", "outlines")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 Status = str  # "pass" | "compile_error" | "timeout" | "validation_error"
-CHOICES = ("auto", "xgrammar", "outlines", "llguidance", "llguidance-lenient")
+CHOICES = ("auto", "xgrammar", "outlines", "llguidance", "llguidance-relaxed")
 WINDOW = 2  # compilations submitted ahead of the case being checked
 
 

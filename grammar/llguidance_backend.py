@@ -14,16 +14,22 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from grammar.backend import Backend, BackendError, Matcher
-from grammar.ecma import ascii_digits
-from grammar.spec import DATA_KEYWORDS, ConstraintSpec
+from grammar.rewrite import ascii_digits, rewrite_schema
+from grammar.spec import ConstraintSpec
 from grammar.vocab import TokenVocab
 
-# `lenient` would ignore unimplemented keywords: a silently wrong mask, so it stays off; the
-# fallback chain tries another backend instead. `coerce_one_of` reads oneOf as anyOf, which is
-# exact whenever the branches are disjoint (the usual case: tagged unions, distinct types);
-# jsonschema validation of the output catches the rest.
+# llguidance's own `lenient` option ignores unimplemented keywords, but was measured to reject
+# valid instances of such schemas; the relaxed mode drops them itself instead. `coerce_one_of`
+# reads oneOf as anyOf: exact whenever the branches are disjoint (the usual case: tagged unions,
+# distinct types); `check_output` catches the rest.
 JSON_OPTIONS: llg.JsonCompileOptions = {"coerce_one_of": True, "lenient": False}
-MAX_UNKNOWN_FORMATS = 8
+MAX_RETRIES = 8  # rewrites of one schema (unknown formats, relaxed keywords)
+# Keywords that only ever rule instances out: without them a schema allows a superset.
+RESTRICTING = frozenset(
+    {"not", "uniqueItems", "dependencies", "dependentRequired", "dependentSchemas", "if",
+     "then", "else", "propertyNames", "contains", "minContains", "maxContains",
+     "minProperties", "maxProperties"}
+)  # fmt: skip
 
 
 class _Vocab:
@@ -123,35 +129,45 @@ class LLGuidanceMatcher(Matcher):
 
 
 class LLGuidanceBackend(Backend):
-    name = "llguidance"
+    """Strict: a schema with a keyword llguidance does not implement is refused. Relaxed: such
+    keywords are dropped when they only ever rule instances out (RESTRICTING), so the mask
+    allows a superset of the schema's instances; `check_output` narrows it back."""
 
-    def __init__(self, vocab: TokenVocab, *, lenient: bool = False):
+    def __init__(self, vocab: TokenVocab, *, relaxed: bool = False):
         self._vocab = vocab
-        self.options: llg.JsonCompileOptions = {**JSON_OPTIONS, "lenient": lenient}
-        self.name = "llguidance-lenient" if lenient else "llguidance"
+        self.relaxed = relaxed
+        self.name = "llguidance-relaxed" if relaxed else "llguidance"
         self.tokenizer = make_lltokenizer(vocab)  # ~0.5 s; before a worker caps its memory
 
     def compile(self, spec: ConstraintSpec) -> str:
-        """Translate and check `spec`; the artifact is llguidance's grammar JSON text.
+        """Translate and check `spec`; the artifact is llguidance's grammar JSON text."""
+        if spec.kind not in ("json_object", "json_schema"):
+            if self.relaxed:
+                raise BackendError("relaxed mode applies to JSON schemas only")
+            return self._check(to_llguidance(spec, None))
+        schema = spec.schema()
+        drop_keys: frozenset[str] = frozenset()
+        drop_formats: frozenset[str] = frozenset()
+        for _ in range(MAX_RETRIES):
+            grammar = to_llguidance(spec, rewrite_schema(schema, drop_keys, drop_formats))
+            try:
+                return self._check(grammar)
+            except BackendError as e:
+                error = str(e)
+            if unknown := re.search(r"Unknown format:(.*)", error):
+                drop_formats |= {unknown.group(1).strip()}
+                continue
+            more = _unimplemented(error) if self.relaxed else None
+            if not more or not more <= RESTRICTING or more <= drop_keys:
+                raise BackendError(error)
+            drop_keys |= more
+        raise BackendError(error)
 
-        A `format` llguidance does not know is dropped, as JSON Schema reads unknown formats:
-        annotations that assert nothing.
-        """
-        schema = _ecma(spec.schema()) if spec.kind in ("json_object", "json_schema") else None
-        if self.options["lenient"] and schema is None:
-            raise BackendError("lenient mode applies to JSON schemas only")
-        for _ in range(MAX_UNKNOWN_FORMATS):
-            grammar = to_llguidance(spec, schema, self.options)
-            is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
-                grammar, self.tokenizer
-            )
-            if not is_error:
-                return grammar
-            unknown = re.search(r"Unknown format: (.*)", messages[0])
-            if unknown is None or schema is None:
-                raise BackendError(_first_line(messages[0]))
-            schema = _ecma(schema, drop_format=unknown.group(1).strip())
-        raise BackendError("too many unknown string formats")
+    def _check(self, grammar: str) -> str:
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise BackendError(_first_line(messages[0]))
+        return grammar
 
     def load(self, artifact: str) -> Callable[[], Matcher]:
         template = llg.LLMatcher(self.tokenizer, artifact, log_level=0)
@@ -161,15 +177,15 @@ class LLGuidanceBackend(Backend):
         return lambda: LLGuidanceMatcher(template.deep_copy(), stops)
 
 
-def to_llguidance(
-    spec: ConstraintSpec, schema: dict[str, Any] | bool | None, options: llg.JsonCompileOptions
-) -> str:
+def to_llguidance(spec: ConstraintSpec, schema: dict[str, Any] | bool | None) -> str:
     """llguidance's grammar text for `spec` (`schema` replaces a JSON spec's own schema);
     BackendError when it cannot be translated."""
     try:
         if spec.kind in ("json_object", "json_schema"):
             schema = {} if schema is True or schema is None else schema
-            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+            return llg.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), overrides=JSON_OPTIONS
+            )
         if spec.kind == "regex":
             assert isinstance(spec.payload, str)
             return llg.LLMatcher.grammar_from_regex(ascii_digits(spec.payload))
@@ -185,26 +201,12 @@ def to_llguidance(
     raise BackendError(f"unknown constraint kind {spec.kind!r}")
 
 
-def _ecma(node: Any, drop_format: str | None = None) -> Any:
-    """`node` with its patterns read as ECMA-262 (`\\d` is ASCII), and without
-    `"format": drop_format` anywhere in its subschemas."""
-    if isinstance(node, list):
-        return [_ecma(x, drop_format) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for k, v in node.items():
-        if k in DATA_KEYWORDS:
-            out[k] = v
-        elif k == "format" and v == drop_format:
-            continue
-        elif k == "pattern" and isinstance(v, str):
-            out[k] = ascii_digits(v)
-        elif k == "patternProperties" and isinstance(v, dict):
-            out[k] = {ascii_digits(p): _ecma(s, drop_format) for p, s in v.items()}
-        else:
-            out[k] = _ecma(v, drop_format)
-    return out
+def _unimplemented(error: str) -> frozenset[str] | None:
+    """The keywords an llguidance error names as unimplemented, if it is such an error."""
+    if "min/maxProperties only supported" in error:
+        return frozenset({"minProperties", "maxProperties"})
+    found = re.search(r"Unimplemented keys: (\[.*?\])", error)
+    return frozenset(json.loads(found.group(1))) if found else None
 
 
 def _first_line(message: str) -> str:

@@ -11,7 +11,7 @@ import torch
 from outlines_core.json_schema import build_regex_from_schema
 
 from grammar.backend import Backend, BackendError, Matcher
-from grammar.ecma import ascii_digits
+from grammar.rewrite import ascii_digits
 from grammar.spec import ConstraintSpec
 from grammar.vocab import TokenVocab
 

@@ -1,7 +1,21 @@
-"""JSON Schema's regex dialect (ECMA-262) for the Rust regex engines of outlines-core and
-llguidance."""
+"""Schema and regex rewrites that let a backend read a constraint the way JSON Schema means it.
+
+`ascii_digits`: JSON Schema's regex dialect is ECMA-262, where `\\d` is ASCII; Rust's regex
+(outlines-core, llguidance) would match every Unicode digit.
+`rewrite_schema`: apply that to every `pattern`, drop `format`s a backend does not know
+(unknown formats are annotations that assert nothing), and optionally drop keywords.
+"""
 
 from __future__ import annotations
+
+from typing import Any
+
+from grammar.spec import DATA_KEYWORDS  # instances, not subschemas: never rewritten
+
+# Keywords whose values map names to subschemas: the names are not keywords.
+NAMED_SUBSCHEMAS = frozenset(
+    {"properties", "definitions", "$defs", "dependentSchemas", "dependencies"}
+)
 
 
 def ascii_digits(regex: str) -> str:
@@ -27,3 +41,33 @@ def ascii_digits(regex: str) -> str:
         out.append(c)
         i += 1
     return "".join(out)
+
+
+def rewrite_schema(
+    node: Any, drop_keys: frozenset[str] = frozenset(), drop_formats: frozenset[str] = frozenset()
+) -> Any:
+    """`node` with ECMA `pattern`s, without the keywords `drop_keys` and without the
+    `"format"`s named in `drop_formats`, in every subschema."""
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        out = {}
+        for k, v in x.items():
+            if k in drop_keys or (k == "format" and isinstance(v, str) and v in drop_formats):
+                continue
+            if k in DATA_KEYWORDS:
+                out[k] = v
+            elif k == "pattern" and isinstance(v, str):
+                out[k] = ascii_digits(v)
+            elif k == "patternProperties" and isinstance(v, dict):
+                out[k] = {ascii_digits(p): walk(s) for p, s in v.items()}
+            elif k in NAMED_SUBSCHEMAS and isinstance(v, dict):
+                out[k] = {name: walk(s) for name, s in v.items()}
+            else:
+                out[k] = walk(v)
+        return out
+
+    return walk(node)

@@ -92,7 +92,7 @@ def test_all_backends_fail_names_each_reason(compiler: GrammarCompiler):
     with pytest.raises(GrammarError) as e:
         compiler.compile(spec)
     assert "llguidance: Expected ')'" in e.value.message
-    assert "llguidance-lenient: lenient mode applies to JSON schemas only" in e.value.message
+    assert "llguidance-relaxed: relaxed mode applies to JSON schemas only" in e.value.message
     assert "xgrammar: EBNF parser error" in e.value.message
     assert "outlines: grammar constraints are not supported" in e.value.message
     assert e.value.param == "response_format.grammar"
