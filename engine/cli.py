@@ -49,12 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="print a JSON object")
     gen.set_defaults(func=_generate)
 
-    try:
-        from gateway.cli import add_serve_parser
-    except ImportError:  # gateway not built yet
-        pass
-    else:
-        add_serve_parser(sub)
+    from gateway.cli import add_serve_parser
+    from grammar.bench import add_bench_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)
