@@ -6,16 +6,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 
 import jsonschema
 import pytest
 
 from engine import InvalidRequestError, SamplingParams
-
-MASKBENCH = Path(__file__).resolve().parents[2] / "shared" / "maskbench-dev"
-if not MASKBENCH.is_dir():  # CI clones next to shared/
-    MASKBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "maskbench-dev"
+from tests.maskbench import MASKBENCH
 
 
 def dev_schemas(n: int, max_bytes: int = 1500) -> list[tuple[str, dict]]:

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
@@ -26,12 +25,12 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from tests.maskbench import MASKBENCH
+
 if TYPE_CHECKING:
     from tests.conftest import GatewayServer
 
-DEV = Path(__file__).resolve().parents[2] / "shared" / "maskbench-dev"
-if not DEV.is_dir():
-    DEV = Path("/work/shared/maskbench-dev")
+DEV = MASKBENCH
 DEFAULT_CASES = 24
 CONCURRENCY = 12  # within the test server's 8 seats + 12 queued
 MAX_TOKENS = 64
@@ -69,14 +68,20 @@ def _selected() -> list[tuple[str, dict[str, dict[str, Any]], bool]]:
 
 async def _run_case(client: AsyncOpenAI, model: str, sem: asyncio.Semaphore, case) -> dict:
     fname, tools, parallel = case
-    offered = [{"type": "function", "function": {"name": n, "parameters": p}}
-               for n, p in tools.items()]
+    offered = [
+        {"type": "function", "function": {"name": n, "parameters": p}} for n, p in tools.items()
+    ]
     async with sem:
         try:
             r = await client.chat.completions.create(
-                model=model, tools=offered, tool_choice="required", temperature=0,
-                max_tokens=MAX_TOKENS, parallel_tool_calls=parallel,
-                messages=[{"role": "user", "content": f"Call {' or '.join(tools)}."}])
+                model=model,
+                tools=offered,
+                tool_choice="required",
+                temperature=0,
+                max_tokens=MAX_TOKENS,
+                parallel_tool_calls=parallel,
+                messages=[{"role": "user", "content": f"Call {' or '.join(tools)}."}],
+            )
         except openai.BadRequestError as e:  # a schema no backend compiles
             return {"case": fname, "outcome": "refused", "why": str(e)[:300]}
     choice = r.choices[0]
@@ -88,27 +93,35 @@ async def _run_case(client: AsyncOpenAI, model: str, sem: asyncio.Semaphore, cas
             jsonschema.validate(json.loads(call.function.arguments), schema)
         except (AssertionError, ValueError, jsonschema.ValidationError) as e:
             invalid.append(str(e)[:300])
-    return {"case": fname, "outcome": choice.finish_reason, "invalid": invalid,
-            "calls": len(choice.message.tool_calls or [])}
+    return {
+        "case": fname,
+        "outcome": choice.finish_reason,
+        "invalid": invalid,
+        "calls": len(choice.message.tool_calls or []),
+    }
 
 
 @pytest.mark.skipif(not DEV.is_dir(), reason="needs ../shared/maskbench-dev")
 def test_glaive_and_bfcl_calls_always_validate(gateway_server: GatewayServer) -> None:
     cases = _selected()
-    client = AsyncOpenAI(base_url=gateway_server.base_url, api_key=gateway_server.api_key,
-                         max_retries=0, timeout=600)
+    client = AsyncOpenAI(
+        base_url=gateway_server.base_url, api_key=gateway_server.api_key, max_retries=0, timeout=600
+    )
 
     async def run_all() -> list[dict]:
         sem = asyncio.Semaphore(CONCURRENCY)
         return await asyncio.gather(
-            *[_run_case(client, gateway_server.model, sem, c) for c in cases])
+            *[_run_case(client, gateway_server.model, sem, c) for c in cases]
+        )
 
     results = asyncio.run(run_all())
     outcomes: dict[str, int] = {}
     for r in results:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
-    print(f"\n{len(results)} Glaive/BFCL cases: {outcomes}, "
-          f"{sum(r.get('calls', 0) for r in results)} calls")
+    print(
+        f"\n{len(results)} Glaive/BFCL cases: {outcomes}, "
+        f"{sum(r.get('calls', 0) for r in results)} calls"
+    )
     bad = [r for r in results if r.get("invalid")]
     assert not bad, bad[:5]
     # Never "stop" without a call and never an error; "length" returns only the complete,
