@@ -2,8 +2,8 @@
 
 Both sides run the same 16 prompts; the constrained side adds a JSON schema (compiled once
 beforehand: this measures the per-step mask cost, not compilation). Throughput is measured on
-full decode steps only (all `batch` requests decoding), so that constrained outputs ending
-earlier do not change the prefill share: tokens/s = batch / median step time, best of
+full steps only (all `batch` requests running), so that constrained outputs ending earlier do
+not change the prefill share: tokens/s = tokens delivered / time of those steps, best of
 `--rounds` interleaved rounds (the machine is shared and noisy).
 
     .venv/bin/python benchmarks/structured_overhead.py [--batch 16] [--max-tokens 64]
@@ -29,21 +29,22 @@ SCHEMA = {
 }
 
 
-def decode_step_seconds(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
-    """Median wall time of the steps in which every request decodes."""
+def decode_tok_s(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
+    """Tokens per second over the steps in which every request is running (tokens the grammar
+    forces count: they are output the step delivered)."""
     eng = llm.engine
     ids = [llm.tokenizer.encode(p) for p in prompts]
     for i, p in enumerate(ids):
         eng.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
-    times = []
+    tokens, seconds = 0, 0.0
     while eng.has_unfinished_requests():
         full = eng.num_running == len(prompts) and not eng.num_waiting
         t = time.perf_counter()
         outs = eng.step()
         if full and len(outs) == len(prompts):
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
+            seconds += time.perf_counter() - t
+            tokens += sum(len(o.new_token_ids) for o in outs)
+    return tokens / seconds
 
 
 def main() -> None:
@@ -68,11 +69,11 @@ def main() -> None:
     t = time.perf_counter()
     llm.engine.grammar.compile(constrained.constraint).result()
     compile_s = time.perf_counter() - t
-    decode_step_seconds(llm, prompts[:2], free)  # warm-up
+    decode_tok_s(llm, prompts[:2], free)  # warm-up
     best = {"free": 0.0, "constrained": 0.0}
     for _ in range(args.rounds):
         for name, params in (("free", free), ("constrained", constrained)):
-            best[name] = max(best[name], args.batch / decode_step_seconds(llm, prompts, params))
+            best[name] = max(best[name], decode_tok_s(llm, prompts, params))
     ratio = best["constrained"] / best["free"]
     print(f"threads: {torch.get_num_threads()}, batch {args.batch}, max_tokens {args.max_tokens}")
     print(f"compile (first, incl. worker start): {compile_s * 1000:.0f} ms")

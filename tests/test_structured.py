@@ -27,11 +27,11 @@ def dev_schemas(n: int, max_bytes: int = 1500) -> list[tuple[str, dict]]:
 
 @pytest.mark.skipif(not MASKBENCH.is_dir(), reason="../shared/maskbench-dev not present")
 def test_dev_set_outputs_validate_or_hit_length(smollm2):
-    cases = dev_schemas(100)
-    assert len(cases) >= 60
+    cases = dev_schemas(200)
+    assert len(cases) >= 150
     params = [
         SamplingParams(
-            max_tokens=48,
+            max_tokens=56,
             temperature=1.0,
             seed=i,
             response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": s}},
@@ -44,7 +44,8 @@ def test_dev_set_outputs_validate_or_hit_length(smollm2):
         reasons[out.finish_reason] += 1
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)  # never invalid as "stop"
-    assert reasons["stop"] >= len(cases) // 3, reasons
+    # "error" = a relaxed backend let an invalid output through and the final check caught it.
+    assert reasons["stop"] >= len(cases) // 4 and reasons["error"] <= len(cases) // 20, reasons
 
 
 def test_regex_choice_and_ebnf(smollm2):
