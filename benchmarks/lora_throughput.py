@@ -15,15 +15,14 @@ that rank).
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from machine import describe  # benchmarks/machine.py
 from safetensors.numpy import save_file
 
 from engine import LLM, SamplingParams
@@ -69,17 +68,6 @@ def decode_round(llm: LLM, prompts: list[list[int]], adapters: list[str | None],
     dt = time.perf_counter() - t
     assert n == steps * len(prompts), n
     return dt
-
-
-def machine() -> str:
-    try:
-        cpu = next(line.split(":", 1)[1].strip()
-                   for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or "unknown CPU"
-    mem = subprocess.run(["free", "-g"], capture_output=True, text=True).stdout.split()[7]
-    return f"{cpu}, {torch.get_num_threads()} threads, {mem} GiB RAM, torch {torch.__version__}"
 
 
 def main() -> None:
@@ -130,7 +118,7 @@ def main() -> None:
         f"{d} x {adapter_bytes / 1e6:.1f}) |\n"
         for d in args.distinct
     )
-    table = (f"machine: {machine()}\n\nbatch {args.batch}, rank {args.rank} on all 7 projections, "
+    table = (f"machine: {describe()}\n\nbatch {args.batch}, rank {args.rank} on all 7 projections, "
              f"prompt {args.prompt_len} tokens, {args.steps} timed decode steps x {args.rounds} "
              f"rounds (best and median), {time.strftime('%Y-%m-%d')}\n\n{header}{rows}")
     print(table)

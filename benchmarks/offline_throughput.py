@@ -10,13 +10,12 @@ A mixed-length workload (prompts 16-384 tokens, outputs 16-128, ignore_eos) runs
 from __future__ import annotations
 
 import argparse
-import platform
 import random
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from machine import describe  # benchmarks/machine.py
 
 from engine import LLM, SamplingParams
 
@@ -59,17 +58,6 @@ def run_transformers(hf, tokenizer, reqs, batch_size: int) -> float:
     return time.perf_counter() - t
 
 
-def machine() -> str:
-    try:
-        cpu = next(line.split(":", 1)[1].strip()
-                   for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or "unknown CPU"
-    mem = subprocess.run(["free", "-g"], capture_output=True, text=True).stdout.split()[7]
-    return f"{cpu}, {torch.get_num_threads()} threads, {mem} GiB RAM, torch {torch.__version__}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-requests", type=int, default=32)
@@ -98,7 +86,7 @@ def main() -> None:
         ("transformers generate, static batches of 8", t_hf, hf_tps),
         ("switchboard engine, continuous batching", t_eng, eng_tps),
     ]
-    print(f"machine: {machine()}")
+    print(f"machine: {describe()}")
     print(f"workload: {len(reqs)} requests, {useful} output tokens, seed {args.seed}")
     print(f"{'system':<46} {'seconds':>8} {'useful tok/s':>13}")
     for name, t, tps in rows:
@@ -106,7 +94,7 @@ def main() -> None:
     print(f"ratio (engine / transformers): {eng_tps / hf_tps:.2f}x")
     if args.out:
         with args.out.open("a") as f:
-            f.write(f"| {time.strftime('%Y-%m-%d')} | {machine()} | {len(reqs)} | {useful} | "
+            f.write(f"| {time.strftime('%Y-%m-%d')} | {describe()} | {len(reqs)} | {useful} | "
                     f"{hf_tps:.1f} | {eng_tps:.1f} | {eng_tps / hf_tps:.2f}x |\n")
 
 
