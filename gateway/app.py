@@ -140,11 +140,11 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         if body.stream:
             events = stream_events(gen, fmt, body.include_usage)
             if turn:
-                events = turn.commit_before_done(events, gen)
+                events = turn.commit_before_done(events, gen, fmt)
             return SSEResponse(events, on_close=gen.close)
         response = await _collect(gen, fmt, request.is_disconnected)
         if turn:
-            await turn.commit(gen)  # the turn is acknowledged only once its history is stored
+            await turn.commit(gen, fmt)  # the turn is acknowledged only once its history is stored
         return response
 
     return app

@@ -18,6 +18,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import GatewayTokenizer
 from gateway.tools import render_messages, tools_constraint
 from grammar.spec import ConstraintSpec, GrammarError, parse_constraint
+from grammar.tool_parser import HERMES
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,15 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 def plan_chat(
     body: ChatCompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
 ) -> list[Job]:
-    messages, tools = render_messages(body, native=tok.speaks_tool_calls)
+    fmt = tok.call_format
+    messages, tools = render_messages(body, native=fmt is not None)
     try:
         prompt = tok.chat_prompt(messages, tools)
     except InvalidRequestError as e:
         raise bad_request(e.message, e.param) from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _jobs([prompt], body, logprobs, tok, facts, adapter, prompt_param="messages",
-                 constraint=tools_constraint(body))
+                 constraint=tools_constraint(body, fmt or HERMES))
 
 
 def plan_completion(

@@ -13,7 +13,7 @@ from engine.messages import RequestOutput, TokenLogprob
 from gateway.generation import Choice, Generation
 from gateway.tokenizer import GatewayTokenizer
 from grammar.tool_parser import Arguments, CallStart, Event, Text, ToolCallParser
-from grammar.tools import valid_calls
+from grammar.tools import call_format, valid_calls
 
 
 class ChatFormat:
@@ -30,7 +30,7 @@ class ChatFormat:
     def body(self) -> dict[str, Any]:
         choices = []
         for c in self.gen.ordered:
-            message, finish = self._message(c)
+            message, finish = self.message(c)
             lp = self._logprobs(c.logprobs) if c.job.params.logprobs is not None else None
             choices.append({"index": c.index, "message": message, "logprobs": lp,
                             "finish_reason": finish})
@@ -55,13 +55,13 @@ class ChatFormat:
 
     # -- tool calls -----------------------------------------------------------------------
 
-    def _message(self, c: Choice) -> tuple[dict[str, Any], str | None]:
+    def message(self, c: Choice) -> tuple[dict[str, Any], str | None]:
         spec = _tool_spec(c)
         if spec is None:
             return {"role": "assistant", "content": c.text}, c.finish_reason
         # Only a finished ("stop") output was checked by the engine; otherwise keep the
         # complete calls that validate, never a call cut short.
-        parsed = ToolCallParser()
+        parsed = ToolCallParser(call_format(spec))
         parsed.feed(c.text, final=True)
         calls = valid_calls(spec, parsed.result.calls)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.result.content}
@@ -76,7 +76,9 @@ class ChatFormat:
         return message, _finish(c, bool(calls))
 
     def _tool_chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
-        parser = self._parsers.setdefault(choice.index, ToolCallParser())
+        parser = self._parsers.get(choice.index)
+        if parser is None:
+            parser = self._parsers[choice.index] = ToolCallParser(call_format(_tool_spec(choice)))
         deltas = [self._delta(choice.index, e) for e in parser.feed(out.new_text, out.finished)]
         deltas = [d for d in deltas if d]
         if choice.index not in self._started:

@@ -23,6 +23,7 @@ from sessions.store import Message, Session, SessionStore, StoreUnavailable
 
 if TYPE_CHECKING:
     from gateway.generation import Generation
+    from gateway.responses import ChatFormat
 
 
 class CreateSession(BaseModel):
@@ -87,23 +88,24 @@ class SessionTurn:
         history = [ChatMessage(**m) for m in self.session.messages + self.new_messages]
         return body.model_copy(update={"messages": history})
 
-    async def commit(self, gen: Generation) -> None:
-        """Append this turn and its reply to the history (nothing if generation failed)."""
+    async def commit(self, gen: Generation, fmt: ChatFormat) -> None:
+        """Append this turn and its reply, the message the client got (tool calls included),
+        to the history; nothing if generation failed."""
         choice = gen.ordered[0]
         if choice.finish_reason in (None, "error", "abort"):
             return
-        reply = {"role": "assistant", "content": choice.text}
+        reply, _ = fmt.message(choice)
         await self.store.append(self.session, [*self.new_messages, reply])
 
     async def commit_before_done(
-        self, events: AsyncIterator[str], gen: Generation
+        self, events: AsyncIterator[str], gen: Generation, fmt: ChatFormat
     ) -> AsyncIterator[str]:
         """A stream whose `[DONE]` comes only after the history is written."""
         try:
             async for e in events:
                 if e == DONE:
                     try:
-                        await self.commit(gen)
+                        await self.commit(gen, fmt)
                     except StoreUnavailable as err:
                         yield event(store_unavailable(err).body())
                 yield e

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.sampling_params import InvalidRequestError
+from grammar.tool_parser import HERMES, LLAMA3_JSON, CallFormat
 
 
 class GatewayTokenizer:
@@ -30,18 +31,25 @@ class GatewayTokenizer:
         return len(self.hf)
 
     @property
-    def speaks_tool_calls(self) -> bool:
-        """The chat template renders tools and tool messages itself, in the Hermes
-        `<tool_call>` format the tool grammar enforces (Qwen2.5, Hermes); else the gateway
-        writes the generic fallback prompt (gateway/tools.py)."""
+    def call_format(self) -> CallFormat | None:
+        """The tool-call format the chat template renders tools and tool messages in itself:
+        Hermes `<tool_call>` (Qwen2.5, Hermes 2/3) or Llama 3.1's JSON calls. None: the
+        template knows no tools, and the gateway writes the generic fallback prompt
+        (gateway/tools.py)."""
         template = getattr(self.hf, "chat_template", None)
-        return isinstance(template, str) and "tools" in template and "<tool_call>" in template
+        if not isinstance(template, str) or "tools" not in template:
+            return None
+        if "<tool_call>" in template:
+            return HERMES
+        if '"parameters": ' in template and "tool_call" in template:
+            return LLAMA3_JSON
+        return None
 
     def chat_prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """Token ids of the conversation in the model's chat template, ready for the
-        assistant's turn. `tools` only for templates that render them (`speaks_tool_calls`)."""
+        assistant's turn. `tools` only for templates that render them (`call_format`)."""
         extra = {"tools": tools} if tools else {}
         try:
             text = self.hf.apply_chat_template(

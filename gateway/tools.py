@@ -1,11 +1,12 @@
 """Tool calling at the edge: validate `tools` / `tool_choice` / tool histories (400s naming the
 problem) and render tool conversations for the chat template.
 
-Templates that speak the Hermes call format (their source mentions `<tool_call>`: Qwen2.5,
-Hermes 2/3, SmolLM3) get the tools and structured tool messages natively. Any other template
+Templates that speak a call format the grammar knows (Hermes `<tool_call>`: Qwen2.5, Hermes 2/3,
+SmolLM3; Llama 3.1's JSON calls) get the tools and structured tool messages natively, and the
+grammar enforces that format. Any other template
 (SmolLM2, Llama 2, ...) gets the generic fallback: the tool list and the call format in the
 system message, assistant calls written out as `<tool_call>` blocks, tool results as user
-messages wrapped in `<tool_response>`. Both produce the format the grammar enforces.
+messages wrapped in `<tool_response>`. The fallback uses the Hermes format.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from gateway.errors import bad_request
 from gateway.schemas import ChatCompletionRequest
 from grammar.spec import ConstraintSpec, GrammarError
-from grammar.tool_parser import render_call
+from grammar.tool_parser import HERMES, CallFormat, render_call
 from grammar.tools import ToolChoice, parse_tools, tool_constraint
 
 FALLBACK_SYSTEM = """# Tools
@@ -43,10 +44,12 @@ def resolve_tools(body: ChatCompletionRequest) -> ToolChoice | None:
         raise bad_request(e.message, e.param or "tools") from None
 
 
-def tools_constraint(body: ChatCompletionRequest) -> ConstraintSpec | None:
-    """The tool-call constraint (None when calls are off); refuses `response_format` beside
-    active tools, since the output is then the call format."""
-    spec = tool_constraint(resolve_tools(body))
+def tools_constraint(
+    body: ChatCompletionRequest, fmt: CallFormat = HERMES
+) -> ConstraintSpec | None:
+    """The tool-call constraint in format `fmt` (None when calls are off); refuses
+    `response_format` beside active tools, since the output is then the call format."""
+    spec = tool_constraint(resolve_tools(body), fmt)
     if spec is not None and (body.response_format or body.structured_outputs):
         if (body.response_format or {}).get("type") != "text":
             raise bad_request("response_format cannot be combined with tools unless "

@@ -1,15 +1,23 @@
-"""The tool-call output format and its deterministic, incremental parser.
+"""Tool-call output formats and their deterministic, incremental parser.
 
-The model writes calls in the Hermes style (Qwen2.5, Hermes 2/3 and the generic fallback prompt
-use it), several separated by a newline:
+Two formats, each the one a family of chat templates teaches its models:
 
-    <tool_call>
-    {"name": "<tool name>", "arguments": <JSON object>}
-    </tool_call>
+- `HERMES` (Qwen2.5, Hermes 2/3, Hermes-2-Pro-Mistral, and the generic fallback prompt), several
+  calls separated by a newline:
+
+      <tool_call>
+      {"name": "<tool name>", "arguments": <JSON object>}
+      </tool_call>
+
+- `LLAMA3_JSON` (Llama 3.1-3.3's JSON tool calling), several calls separated by "; ":
+
+      {"name": "<tool name>", "parameters": <JSON object>}
 
 The grammar (grammar/tools.py) makes any other shape impossible, so the parser never guesses:
-it splits the text at fixed markers. Streaming and non-streaming use the same parser: the
-streamed events concatenate to exactly what one `feed(text, final=True)` returns.
+it finds a call at its fixed header, reads the arguments as one JSON object (tracking strings
+and nesting, so a brace inside a string never ends it) and expects the fixed end marker.
+Streaming and non-streaming use the same parser: the streamed events concatenate to exactly
+what one `feed(text, final=True)` returns.
 """
 
 from __future__ import annotations
@@ -18,17 +26,36 @@ import json
 import re
 from dataclasses import dataclass, field
 
-TRIGGER = "<tool_call>"
-CALL_HEAD = '<tool_call>\n{"name": "'
-ARGS_HEAD = '", "arguments": '
-CALL_END = "}\n</tool_call>"  # the wrapper object's brace, then the closing tag
-SEPARATOR = "\n"
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
+@dataclass(frozen=True)
+class CallFormat:
+    """A call is `head + name + args_head + <JSON object> + end`; calls are joined by
+    `separator`. In `auto` mode free text runs until `trigger` (a prefix of `head`)."""
+
+    name: str
+    trigger: str
+    head: str
+    args_head: str
+    end: str
+    separator: str
+
+    def render(self, name: str, arguments: str) -> str:
+        """One call in this format (for histories and the fallback prompt)."""
+        return f"{self.head}{name}{self.args_head}{arguments}{self.end}"
+
+
+HERMES = CallFormat("hermes", "<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ',
+                    "}\n</tool_call>", "\n")
+LLAMA3_JSON = CallFormat("llama3_json", '{"name": "', '{"name": "', '", "parameters": ', "}",
+                         "; ")
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+
+
 def render_call(name: str, arguments: str) -> str:
-    """One call in the model's format (for histories and the fallback prompt)."""
-    return f"{CALL_HEAD}{name}{ARGS_HEAD}{arguments}{CALL_END}"
+    """One call in the Hermes format."""
+    return HERMES.render(name, arguments)
 
 
 @dataclass(frozen=True)
@@ -73,16 +100,18 @@ class ParsedOutput:
 class ToolCallParser:
     """Splits generated text into content and calls, one delta at a time.
 
-    Text that could still turn into a marker (a prefix of `<tool_call>` in content, of
-    `}\\n</tool_call>` in arguments) is held back until the next delta settles it; whitespace
-    at the end of content is held until non-space text follows, so whitespace before a call
-    and at the end is dropped in both modes alike.
+    Text that could still turn into a marker (a prefix of the trigger in content, of the end
+    marker after the arguments) is held back until the next delta settles it; whitespace at the
+    end of content is held until non-space text follows, so whitespace before a call and at the
+    end is dropped in both modes alike. The separator right after a call is dropped too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: CallFormat = HERMES) -> None:
+        self.fmt = fmt
         self._buf = ""
-        self._state = "text"  # text | head | args | bad
+        self._state = "text"  # text | head | args | end | sep | bad
         self._space = ""  # held-back trailing whitespace of content
+        self._json = _ObjectScanner()
         self.result = ParsedOutput(None)
 
     def feed(self, text: str, final: bool = False) -> list[Event]:
@@ -96,54 +125,68 @@ class ToolCallParser:
 
     def _step(self, events: list[Event], final: bool) -> bool:
         """Consume what can be decided now; True when progress allows another step."""
-        buf, calls = self._buf, self.result.calls
+        buf, calls, fmt = self._buf, self.result.calls, self.fmt
         if self._state == "text":
-            i = buf.find(TRIGGER)
+            i = buf.find(fmt.trigger)
             if i >= 0:
                 self._text(buf[:i], events)
                 self._buf, self._state = buf[i:], "head"
                 return True
-            keep = 0 if final else _partial_suffix(buf, TRIGGER)
+            keep = 0 if final else _partial_suffix(buf, fmt.trigger)
             self._text(buf[: len(buf) - keep], events)
             self._buf = buf[len(buf) - keep:]
             return False
         if self._state == "head":
-            if len(buf) < len(CALL_HEAD):
-                return self._expect(CALL_HEAD.startswith(buf) and not final, "a call header")
-            if not buf.startswith(CALL_HEAD):
+            if len(buf) < len(fmt.head):
+                return self._expect(fmt.head.startswith(buf) and not final, "a call header")
+            if not buf.startswith(fmt.head):
                 return self._expect(False, "a call header")
-            j = buf.find(ARGS_HEAD, len(CALL_HEAD))
-            name = buf[len(CALL_HEAD): j if j >= 0 else len(buf)]
-            if j < 0:  # the name, maybe followed by the start of ARGS_HEAD, is still arriving
-                name = name[: len(name) - _partial_suffix(name, ARGS_HEAD)]
+            j = buf.find(fmt.args_head, len(fmt.head))
+            name = buf[len(fmt.head): j if j >= 0 else len(buf)]
+            if j < 0:  # the name, maybe followed by the start of args_head, is still arriving
+                name = name[: len(name) - _partial_suffix(name, fmt.args_head)]
                 could_be = (not name or NAME.fullmatch(name) is not None) and not final
                 return self._expect(could_be, "a tool name")
             if NAME.fullmatch(name) is None:
                 return self._expect(False, "a tool name")
             calls.append(ParsedCall(name))
             events.append(CallStart(len(calls) - 1, name))
-            self._buf, self._state = buf[j + len(ARGS_HEAD):], "args"
+            self._buf, self._state = buf[j + len(fmt.args_head):], "args"
+            self._json = _ObjectScanner()
             return True
         if self._state == "args":
-            call, index = calls[-1], len(calls) - 1
-            j = buf.find(CALL_END)
-            end = j if j >= 0 else len(buf) - (0 if final else _partial_suffix(buf, CALL_END))
-            if end > 0:
-                call.arguments += buf[:end]
-                events.append(Arguments(index, buf[:end]))
-            if j < 0:
-                self._buf = buf[end:]
+            n = self._json.scan(buf)
+            if n < 0:
+                return self._expect(False, "a JSON object of arguments")
+            if n > 0:
+                calls[-1].arguments += buf[:n]
+                events.append(Arguments(len(calls) - 1, buf[:n]))
+            self._buf = buf[n:]
+            if not self._json.done:
                 return False
-            call.complete = True
-            events.append(CallEnd(index))
-            self._buf, self._state = buf[j + len(CALL_END):], "text"
+            self._state = "end"
+            return True
+        if self._state in ("end", "sep"):
+            marker = fmt.end if self._state == "end" else fmt.separator
+            if not buf.startswith(marker):
+                if marker.startswith(buf) and not final:
+                    return False  # a prefix of the marker: wait for more
+                if self._state == "end":
+                    return self._expect(False, f"{marker!r} after the arguments")
+                self._state = "text"  # no separator: free text (or the end) follows
+                return True
+            self._buf = buf[len(marker):]
+            if self._state == "end":
+                calls[-1].complete = True
+                events.append(CallEnd(len(calls) - 1))
+            self._state = "sep" if self._state == "end" else "text"
             return True
         return False  # bad: the rest is ignored
 
     def _expect(self, could_still_match: bool, what: str) -> bool:
         if not could_still_match:
             self._state = "bad"
-            self.result.malformed = f"expected {what} after {TRIGGER!r}"
+            self.result.malformed = f"expected {what} in the {self.fmt.name} call format"
         return False
 
     def _text(self, text: str, events: list[Event]) -> None:
@@ -157,9 +200,9 @@ class ToolCallParser:
             self.result.content = (self.result.content or "") + body
 
 
-def parse_tool_output(text: str) -> ParsedOutput:
+def parse_tool_output(text: str, fmt: CallFormat = HERMES) -> ParsedOutput:
     """The whole output at once: what the streamed events add up to."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(fmt)
     parser.feed(text, final=True)
     return parser.result
 
@@ -185,3 +228,36 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+class _ObjectScanner:
+    """Finds where one JSON object ends, fed piece by piece: tracks nesting and strings (with
+    escapes), so braces inside strings never count. Leading whitespace is allowed."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped, self.done = 0, False, False, False
+
+    def scan(self, text: str) -> int:
+        """How many characters of `text` belong to the object (all of them while it is open);
+        -1 if the text does not start a JSON object."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif self.depth == 0 and ch != "{":
+                if not ch.isspace():
+                    return -1
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)

@@ -3,11 +3,12 @@ a `tool_calls` ConstraintSpec the engine runs like any other grammar.
 
 Pure Python (no torch): the gateway validates tools here and answers a 400 naming the problem.
 
-The constraint (xgrammar structural tag, built by `structural_tag`):
-- `required` / a named tool: the whole output is one call (or several, separated by a
-  newline, when parallel calls are allowed) to an allowed tool, arguments following its schema;
-- `auto`: free text (never containing `<tool_call>`) until the model writes the trigger
-  `<tool_call>`; from there the call is constrained the same way.
+The constraint (xgrammar structural tag, built by `structural_tag`), in the call format the
+model's chat template teaches (grammar/tool_parser.py):
+- `required` / a named tool: the whole output is one call (or several, joined by the format's
+  separator, when parallel calls are allowed) to an allowed tool, arguments following its schema;
+- `auto`: free text (never containing the format's trigger, e.g. `<tool_call>`) until the model
+  writes the trigger; from there the call is constrained the same way.
 - `none`: no constraint at all (`tool_constraint` returns None).
 """
 
@@ -21,12 +22,10 @@ import jsonschema
 
 from grammar.spec import MAX_SPEC_BYTES, ConstraintSpec, GrammarError, check_json_schema
 from grammar.tool_parser import (
-    ARGS_HEAD,
-    CALL_END,
-    CALL_HEAD,
+    FORMATS,
+    HERMES,
     NAME,
-    SEPARATOR,
-    TRIGGER,
+    CallFormat,
     ParsedCall,
     arguments_error,
     parse_tool_output,
@@ -87,12 +86,14 @@ def parse_tools(tools: Any, tool_choice: Any = None, parallel: Any = None) -> To
     return ToolChoice(tuple(parsed), mode, allowed, parallel is not False and not named)
 
 
-def tool_constraint(choice: ToolChoice | None) -> ConstraintSpec | None:
-    """The constraint for `choice` (None when calls are off: no tools or tool_choice none)."""
+def tool_constraint(choice: ToolChoice | None, fmt: CallFormat = HERMES) -> ConstraintSpec | None:
+    """The constraint for `choice` in format `fmt` (None when calls are off: no tools or
+    tool_choice none)."""
     if choice is None or choice.mode == "none":
         return None
     by_name = {t.name: t for t in choice.tools}
     payload = {
+        "format": fmt.name,
         "mode": choice.mode,
         "parallel": choice.parallel,
         "tools": [{"name": n, "parameters": by_name[n].parameters} for n in choice.allowed],
@@ -105,23 +106,23 @@ def tool_constraint(choice: ToolChoice | None) -> ConstraintSpec | None:
 
 def structural_tag(spec: ConstraintSpec) -> dict[str, Any]:
     """xgrammar's structural tag (JSON form) for a `tool_calls` spec."""
-    payload = _payload(spec)
+    payload, fmt = _payload(spec), call_format(spec)
     tags = [
         {
             "type": "tag",
-            "begin": f"{CALL_HEAD}{t['name']}{ARGS_HEAD}",
+            "begin": f"{fmt.head}{t['name']}{fmt.args_head}",
             "content": {"type": "json_schema", "json_schema": t["parameters"],
                         "max_whitespace_cnt": MAX_WHITESPACE},
-            "end": CALL_END,
+            "end": fmt.end,
         }
         for t in payload["tools"]
     ]
     single = not payload["parallel"]
     if payload["mode"] == "required":
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR,
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
                "at_least_one": True, "stop_after_first": single}
     else:
-        fmt = {"type": "triggered_tags", "triggers": [TRIGGER], "tags": tags,
+        fmt = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags,
                "at_least_one": False, "stop_after_first": single}
     return {"type": "structural_tag", "format": fmt}
 
@@ -131,7 +132,7 @@ def check_tool_output(spec: ConstraintSpec, text: str) -> str | None:
     its arguments validate against that tool's schema; else a one-line reason."""
     payload = _payload(spec)
     schemas = {t["name"]: t["parameters"] for t in payload["tools"]}
-    out = parse_tool_output(text)
+    out = parse_tool_output(text, call_format(spec))
     if out.malformed:
         return out.malformed
     if payload["mode"] == "required" and not out.calls:
@@ -171,6 +172,11 @@ def validate_instance(schema: dict[str, Any] | bool, value: Any) -> str | None:
         return None
     where = "/".join(str(x) for x in error.absolute_path) or "(root)"
     return f"at {where}: {error.message}"
+
+
+def call_format(spec: ConstraintSpec) -> CallFormat:
+    """The call format a `tool_calls` spec constrains to."""
+    return FORMATS[_payload(spec).get("format", HERMES.name)]
 
 
 def _payload(spec: ConstraintSpec) -> dict[str, Any]:

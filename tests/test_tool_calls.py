@@ -11,6 +11,8 @@ import pytest
 
 from grammar.spec import GrammarError
 from grammar.tool_parser import (
+    HERMES,
+    LLAMA3_JSON,
     Arguments,
     CallStart,
     Text,
@@ -26,8 +28,8 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 NOW = {"type": "function", "function": {"name": "now"}}
 
 
-def _spec(tool_choice="required", parallel=None, tools=(ADD, NOW)):
-    return tool_constraint(parse_tools(list(tools), tool_choice, parallel))
+def _spec(tool_choice="required", parallel=None, tools=(ADD, NOW), fmt=HERMES):
+    return tool_constraint(parse_tools(list(tools), tool_choice, parallel), fmt)
 
 
 # -- request validation -----------------------------------------------------------------
@@ -89,28 +91,40 @@ def _accepts(compiler, spec, text: str) -> bool:
 
 CALL_ADD = render_call("add", '{"a": 1, "b": 2}')
 CALL_NOW = render_call("now", "{}")
+FORMATS = pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON], ids=lambda f: f.name)
 
 
+def _text(template: str, fmt) -> str:
+    """A case's text in `fmt`: {add}, {now}, {bad_add} (a wrong argument type), {sub} (a tool
+    not offered), {sep} (the call separator), {trigger}."""
+    return template.format(
+        add=fmt.render("add", '{"a": 1, "b": 2}'), now=fmt.render("now", "{}"),
+        bad_add=fmt.render("add", '{"a": "1", "b": 2}'), sub=fmt.render("sub", '{"a": 1}'),
+        sep=fmt.separator, trigger=fmt.trigger)
+
+
+@FORMATS
 @pytest.mark.parametrize(
-    ("choice", "parallel", "text", "ok"),
+    ("choice", "parallel", "template", "ok"),
     [
-        ("required", None, CALL_ADD, True),
-        ("required", None, CALL_ADD + "\n" + CALL_NOW, True),
-        ("required", False, CALL_ADD + "\n" + CALL_NOW, False),
-        ("required", None, "Sure. " + CALL_ADD, False),
+        ("required", None, "{add}", True),
+        ("required", None, "{add}{sep}{now}", True),
+        ("required", False, "{add}{sep}{now}", False),
+        ("required", None, "Sure. {add}", False),
         ("required", None, "no call", False),
-        ("required", None, render_call("add", '{"a": "1", "b": 2}'), False),
-        ("required", None, render_call("sub", '{"a": 1, "b": 2}'), False),
-        ({"type": "function", "function": {"name": "now"}}, None, CALL_ADD, False),
-        ({"type": "function", "function": {"name": "now"}}, None, CALL_NOW, True),
+        ("required", None, "{bad_add}", False),
+        ("required", None, "{sub}", False),
+        ({"type": "function", "function": {"name": "now"}}, None, "{add}", False),
+        ({"type": "function", "function": {"name": "now"}}, None, "{now}", True),
         ("auto", None, "Just text.", True),
-        ("auto", None, "Let me add. " + CALL_ADD, True),
-        ("auto", False, CALL_ADD + "\n" + CALL_NOW, False),
-        ("auto", None, "<tool_call>oops", False),
+        ("auto", None, "Let me add. {add}", True),
+        ("auto", False, "{add}{sep}{now}", False),
+        ("auto", None, "{trigger}oops", False),
     ],
 )
-def test_grammar_admits_exactly_the_call_format(compiler, choice, parallel, text, ok) -> None:
-    spec = _spec(choice, parallel)
+def test_grammar_admits_exactly_the_call_format(compiler, fmt, choice, parallel, template,
+                                                ok) -> None:
+    spec, text = _spec(choice, parallel, fmt=fmt), _text(template, fmt)
     assert compiler[1].compile(spec).backend == "xgrammar"  # the one that speaks tool calls
     assert _accepts(compiler, spec, text) is ok
     if ok:
@@ -120,15 +134,17 @@ def test_grammar_admits_exactly_the_call_format(compiler, choice, parallel, text
 # -- the parser and the check -----------------------------------------------------------
 
 
-def test_any_chunking_gives_the_whole_text_result() -> None:
-    text = "Let me see <b> \n" + render_call("add", '{"a": {"x": "}"}, "b": 2}') + "\n" + CALL_NOW
-    whole = parse_tool_output(text)
-    assert whole.content == "Let me see <b>"
+@FORMATS
+def test_any_chunking_gives_the_whole_text_result(fmt) -> None:
+    args = '{"a": {"x": "}\\"]"}, "b": [2, "{"]}'  # braces and quotes inside strings
+    text = "Let me see <b> \n" + fmt.render("add", args) + fmt.separator + fmt.render("now", "{}")
+    whole = parse_tool_output(text, fmt)
+    assert whole.content == "Let me see <b>" and whole.malformed is None
     assert [(c.name, c.arguments, c.complete) for c in whole.calls] == [
-        ("add", '{"a": {"x": "}"}, "b": 2}', True), ("now", "{}", True)]
+        ("add", args, True), ("now", "{}", True)]
     rng = random.Random(0)
     for _ in range(200):
-        parser, events, i = ToolCallParser(), [], 0
+        parser, events, i = ToolCallParser(fmt), [], 0
         while i < len(text):
             n = rng.randint(1, 8)
             events += parser.feed(text[i:i + n])
@@ -151,6 +167,9 @@ def test_check_and_valid_calls() -> None:
     assert "no tool call" in check_tool_output(spec, "")
     assert check_tool_output(_spec("auto"), "plain text") is None
     assert "parallel" in check_tool_output(_spec("required", False), CALL_NOW + "\n" + CALL_NOW)
+    llama = _spec(fmt=LLAMA3_JSON)
+    assert "call format" in check_tool_output(llama, '{"name": "add", "arguments": {}}')
+    assert "call format" in check_tool_output(llama, '{"name": "now", "parameters": {}]')
 
 
 # -- the fallback prompt ----------------------------------------------------------------
@@ -183,3 +202,65 @@ def test_fallback_prompt_renders_tools_calls_and_results() -> None:
     assert tools is not None and native[2]["tool_calls"][0]["function"]["arguments"] == {
         "a": 2, "b": 3}
     assert native[3] == {"role": "tool", "content": "5", "tool_call_id": "c1"}
+
+
+# -- native templates -------------------------------------------------------------------
+
+# A template in the style of Llama 3.1's JSON tool calling (tools listed in the system turn,
+# calls as {"name", "parameters"} objects, results in the `ipython` role).
+LLAMA_STYLE_TEMPLATE = """{{- bos_token }}
+{%- for m in messages %}
+{%- if m.role == 'system' or (loop.first and tools) %}
+<|start_header_id|>system<|end_header_id|>
+{%- if tools %}
+Respond with {"name": function name, "parameters": dictionary of arguments}.
+{%- for t in tools %}
+{{ t | tojson }}
+{%- endfor %}
+{%- endif %}
+{%- if m.role == 'system' %}{{ m.content }}{% endif %}<|eot_id|>
+{%- endif %}
+{%- if m.role == 'assistant' and m.tool_calls %}
+<|start_header_id|>assistant<|end_header_id|>
+{%- for tc in m.tool_calls %}
+{{- '{"name": "' + tc.function.name + '", "parameters": ' + (tc.function.arguments | tojson) + '}' }}
+{%- endfor %}<|eot_id|>
+{%- elif m.role == 'tool' %}
+<|start_header_id|>ipython<|end_header_id|>{{ m.content }}<|eot_id|>
+{%- elif m.role != 'system' %}
+<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"""
+
+
+def test_native_template_sets_the_call_format(smollm2_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from gateway.params import EngineFacts, plan_chat
+    from gateway.schemas import ChatCompletionRequest
+    from gateway.tokenizer import GatewayTokenizer
+    from grammar.tools import call_format
+
+    hf = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert GatewayTokenizer(hf).call_format is None  # SmolLM2: the fallback prompt
+    hf.chat_template = LLAMA_STYLE_TEMPLATE
+    tok = GatewayTokenizer(hf)
+    assert tok.call_format is LLAMA3_JSON
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    body = ChatCompletionRequest.model_validate({
+        "model": "m", "tools": [ADD, NOW], "tool_choice": "required", "messages": [
+            {"role": "user", "content": "2+3?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "5"},
+            {"role": "user", "content": "And the time?"},
+        ]})
+    job = plan_chat(body, tok, EngineFacts(8192, lambda ids, p: None, None), None)[0]
+    prompt = hf.decode(job.prompt_ids)
+    assert '{"name": "add", "parameters": {"a": 2, "b": 3}}' in prompt
+    assert '"name": "now"' in prompt and "ipython<|end_header_id|>5" in prompt
+    assert call_format(job.params.constraint) is LLAMA3_JSON
+    assert check_tool_output(job.params.constraint, LLAMA3_JSON.render("now", "{}")) is None
+    hf.chat_template = "{{ tools }}{% for m in messages %}<tool_call>{{ m.content }}{% endfor %}"
+    assert GatewayTokenizer(hf).call_format is HERMES

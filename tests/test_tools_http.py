@@ -267,6 +267,30 @@ def test_tool_message_answering_a_known_call_is_accepted(server: GatewayServer) 
     assert status == 200, error
 
 
+def test_session_stores_tool_calls_and_accepts_their_results(
+    client: OpenAI, server: GatewayServer
+) -> None:
+    """A tool-calling agent on a session: the reply is stored as the message the client got
+    (its `tool_calls`), so the next turn's `tool` message answers a known call."""
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    r = httpx.post(f"{server.base_url}/sessions", headers=headers,
+                   json={"model": server.model}, timeout=60)
+    assert r.status_code == 200, r.text
+    sid = r.json()["id"]
+    first = _chat(client, server, tool_choice={"type": "function", "function": {"name": "add"}},
+                  messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                  extra_body={"session_id": sid}).choices[0].message
+    call = first.tool_calls[0]
+    reply = _chat(client, server, tool_choice="none", max_tokens=8, extra_body={"session_id": sid},
+                  messages=[{"role": "tool", "tool_call_id": call.id, "content": "5"}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    history = httpx.get(f"{server.base_url}/sessions/{sid}", headers=headers,
+                        timeout=60).json()["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant"]
+    stored = history[1]["tool_calls"][0]
+    assert stored["id"] == call.id and stored["function"]["arguments"] == call.function.arguments
+
+
 # -- agent frameworks -------------------------------------------------------------------
 
 
