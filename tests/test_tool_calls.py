@@ -223,7 +223,8 @@ Respond with {"name": function name, "parameters": dictionary of arguments}.
 {%- if m.role == 'assistant' and m.tool_calls %}
 <|start_header_id|>assistant<|end_header_id|>
 {%- for tc in m.tool_calls %}
-{{- '{"name": "' + tc.function.name + '", "parameters": ' + (tc.function.arguments | tojson) + '}' }}
+{{- '{"name": "' + tc.function.name + '", "parameters": ' }}
+{{- (tc.function.arguments | tojson) + '}' }}
 {%- endfor %}<|eot_id|>
 {%- elif m.role == 'tool' %}
 <|start_header_id|>ipython<|end_header_id|>{{ m.content }}<|eot_id|>
