@@ -45,21 +45,33 @@ class SharedAdapters:
     async def ensure(self, tenant: str, name: str) -> None:
         """Bring this replica's copy of the tenant's adapter `name` in line with the shared
         registry. With Redis unreachable, it keeps what it has."""
+        if await self._in_step(tenant, name):
+            return
         manager = self.manager()
         async with self.lock(tenant, name):
-            try:
+            async with unavailable():
                 meta = await self.store.get(tenant, name)
-            except _REDIS_DOWN as e:
-                log.warning("adapter registry unreachable (%s); using local adapters", e)
-                return
             version = None if meta is None else meta["version"]
             if manager.get(tenant, name) is not None:
                 if self.versions.get((tenant, name)) == version:
-                    return
+                    return  # another request fetched it meanwhile
                 await asyncio.to_thread(manager.remove, tenant, name)  # gone or replaced
                 self.versions.pop((tenant, name), None)
             if version is not None:
                 await self._fetch(manager, tenant, name, version)
+
+    async def _in_step(self, tenant: str, name: str) -> bool:
+        """True when there is nothing to do (checked without the lock, so that a stream of
+        unknown model names creates no locks)."""
+        try:
+            meta = await self.store.get(tenant, name)
+        except _REDIS_DOWN as e:
+            log.warning("adapter registry unreachable (%s); using local adapters", e)
+            return True
+        here = self.manager().get(tenant, name) is not None
+        if meta is None:
+            return not here
+        return here and self.versions.get((tenant, name)) == meta["version"]
 
     async def _fetch(self, manager: Any, tenant: str, name: str, version: str) -> None:
         folder = staging_dir(manager)

@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from gateway.errors import APIError, install_error_handlers
+from gateway.errors import APIError, install_error_handlers, too_large
 from router import proxy
 from router.pool import ReplicaPool
 from router.registry import HEARTBEAT_S, ReplicaInfo
@@ -42,7 +42,9 @@ SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)(/fork)?")
 TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=60.0, pool=None)
 
 
-def create_router_app(redis_url: str) -> FastAPI:
+def create_router_app(redis_url: str, max_body_bytes: int) -> FastAPI:
+    """The router over the replicas registered in `redis_url`; request bodies over
+    `max_body_bytes` are refused (413)."""
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True,
                                     socket_connect_timeout=2, socket_timeout=5)
     pool = ReplicaPool(redis)
@@ -86,7 +88,7 @@ def create_router_app(redis_url: str) -> FastAPI:
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(request: Request, path: str) -> Response:
-        body = await request.body()
+        body = await read_body(request, max_body_bytes)
         session, creates = _session_of(request, body)
         affinity = await _get_affinity(redis, session) if session else None
         prefix = None if session else _prefix_key(request, body)
@@ -98,13 +100,20 @@ def create_router_app(redis_url: str) -> FastAPI:
                 upstream = await proxy.send(client, replica, request, body)
             except (httpx.ConnectError, httpx.ConnectTimeout):
                 pool.inflight[replica.id] -= 1
-                pool.mark_down(replica)
+                pool.mark_down(replica)  # nothing reached it: try the next one
                 continue
+            except httpx.HTTPError as e:
+                pool.inflight[replica.id] -= 1
+                raise replica_failed(replica, e) from None
             if session and replica.id != affinity and not creates:
                 await _set_affinity(redis, session, replica)
             if creates or (session and request.method == "DELETE"):
-                response = await proxy.buffered(upstream, replica)
-                pool.inflight[replica.id] -= 1
+                try:
+                    response = await proxy.buffered(upstream, replica)
+                except httpx.HTTPError as e:
+                    raise replica_failed(replica, e) from None
+                finally:
+                    pool.inflight[replica.id] -= 1
                 await _record(redis, request, session, replica, response)
                 return response
             return proxy.Relay(upstream, replica, lambda r=replica: _done(pool, r))
@@ -113,9 +122,28 @@ def create_router_app(redis_url: str) -> FastAPI:
     return app
 
 
+def replica_failed(replica: ReplicaInfo, e: Exception) -> APIError:
+    return APIError(502, f"The replica failed before answering: {e!r}", "server_error",
+                    code="replica_failed", headers={proxy.REPLICA_HEADER: replica.address})
+
+
 def no_replica() -> APIError:
     return APIError(503, "No healthy replica is available; retry shortly.", "server_error",
                     code="no_replica", headers={"Retry-After": str(int(HEARTBEAT_S * 2))})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body (a refused connection can then be retried elsewhere), at most `limit`."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _done(pool: ReplicaPool, replica: ReplicaInfo) -> None:
