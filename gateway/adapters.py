@@ -8,7 +8,9 @@ event loop; only a valid adapter is moved into the store and registered. A bad o
 naming every problem and leaves nothing behind; the tenant's other adapters are untouched.
 
 The engine's manager is used through its thread-safe registry methods (`add`, `remove`, `get`,
-`list`); this module imports no torch.
+`list`); this module imports no torch. With `--redis-url`, the registry shared by all replicas
+(gateway/shared_adapters.py) answers instead, and a request naming an adapter this replica
+lacks fetches it first (`ensure_adapter`).
 """
 
 from __future__ import annotations
@@ -77,10 +79,11 @@ def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
 
     @router.get("/v1/adapters/{name}")
     async def get_adapter(name: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
-        info = require_manager(rt).get(tenant, name)
+        manager = require_manager(rt)
         if rt.shared_adapters:
             obj = await rt.shared_adapters.get(tenant, name)
         else:
+            info = manager.get(tenant, name)
             obj = None if info is None else adapter_object(info, base)
         if obj is None:
             raise _unknown(name)

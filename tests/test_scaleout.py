@@ -283,6 +283,9 @@ def test_a_session_moves_when_its_replica_dies(fleet: Fleet) -> None:
         model=MODEL, messages=history[:-1], **T0)
     assert cold.choices[0].message.content == reply.choices[0].message.content
     assert cold.usage.prompt_tokens == reply.usage.prompt_tokens  # the whole history
+    # Its heartbeat stops: within the TTL, the router no longer lists it at all.
+    _wait_for(lambda: dead.address not in {r["address"] for r in fleet.status()["replicas"]},
+              registry.TTL_S + 5)
 
 
 def test_no_healthy_replica_is_503_with_retry_after(fleet: Fleet) -> None:
