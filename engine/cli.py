@@ -1,4 +1,4 @@
-"""`switchboard` command line: serve, generate."""
+"""`switchboard` command line: serve, router, generate, grammar-bench."""
 
 from __future__ import annotations
 
@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from gateway.cli import add_serve_parser
     from grammar.bench import add_bench_parser
+    from router.cli import add_router_parser
 
     add_serve_parser(sub)
+    add_router_parser(sub)
     add_bench_parser(sub)
 
     args = parser.parse_args(argv)

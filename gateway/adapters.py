@@ -8,14 +8,16 @@ event loop; only a valid adapter is moved into the store and registered. A bad o
 naming every problem and leaves nothing behind; the tenant's other adapters are untouched.
 
 The engine's manager is used through its thread-safe registry methods (`add`, `remove`, `get`,
-`list`); this module imports no torch.
+`list`); this module imports no torch. With `--redis-url`, the registry shared by all replicas
+(gateway/shared_adapters.py) answers instead, and a request naming an adapter this replica
+lacks fetches it first (`ensure_adapter`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
-import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from gateway.errors import APIError, bad_request, too_large
 from gateway.runtime import Runtime
+from gateway.shared_adapters import SharedAdapters, exists, invalid, staging_dir
 
 MAX_FILES = 16
 
@@ -40,42 +43,60 @@ def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
     async def upload(request: Request, tenant: str = Depends(authenticate)) -> dict[str, Any]:
         manager = require_manager(rt)
         name, files = await _read_form(request, rt.config.max_adapter_bytes)
-        if manager.get(tenant, name) is not None:
-            raise _exists(name)
-        staging = _staging_dir(manager)
-        try:
-            for filename, upload in files:
-                with (staging / filename).open("wb") as out:
-                    await asyncio.to_thread(shutil.copyfileobj, upload.file, out)
-            info = await asyncio.to_thread(manager.add, tenant, name, staging, move=True)
-        except KeyError:  # AdapterExists: a concurrent upload of the same name won
-            raise _exists(name) from None
-        except ValueError as e:  # AdapterError: everything wrong with the folder
-            problems = getattr(e, "problems", [str(e)])
-            raise bad_request(
-                f"adapter {name!r} is invalid: " + "; ".join(problems), "files", "invalid_adapter"
-            ) from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-            for _, upload in files:
-                await upload.close()
-        return adapter_object(info, base)
+        shared = rt.shared_adapters
+        lock = shared.lock(tenant, name) if shared else contextlib.nullcontext()
+        async with lock:
+            if shared:
+                await shared.claim(tenant, name)
+            elif manager.get(tenant, name) is not None:
+                raise exists(name)
+            staging = staging_dir(manager)
+            try:
+                for filename, upload in files:
+                    with (staging / filename).open("wb") as out:
+                        await asyncio.to_thread(shutil.copyfileobj, upload.file, out)
+                blobs = {f: (staging / f).read_bytes() for f, _ in files} if shared else {}
+                info = await asyncio.to_thread(manager.add, tenant, name, staging, move=True)
+            except KeyError:  # AdapterExists: a concurrent upload of the same name won
+                raise exists(name) from None
+            except ValueError as e:  # AdapterError: everything wrong with the folder
+                raise invalid(name, e) from None
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+                for _, upload in files:
+                    await upload.close()
+            obj = adapter_object(info, base)
+            if shared and not await _publish(shared, manager, tenant, name, obj, blobs):
+                raise exists(name)  # another replica registered the name meanwhile
+        return obj
 
     @router.get("/v1/adapters")
     async def list_adapters(tenant: str = Depends(authenticate)) -> dict[str, Any]:
         manager = require_manager(rt)
+        if rt.shared_adapters:
+            return {"object": "list", "data": await rt.shared_adapters.list(tenant)}
         return {"object": "list", "data": [adapter_object(i, base) for i in manager.list(tenant)]}
 
     @router.get("/v1/adapters/{name}")
     async def get_adapter(name: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
-        info = require_manager(rt).get(tenant, name)
-        if info is None:
+        manager = require_manager(rt)
+        if rt.shared_adapters:
+            obj = await rt.shared_adapters.get(tenant, name)
+        else:
+            info = manager.get(tenant, name)
+            obj = None if info is None else adapter_object(info, base)
+        if obj is None:
             raise _unknown(name)
-        return adapter_object(info, base)
+        return obj
 
     @router.delete("/v1/adapters/{name}")
     async def delete_adapter(name: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
-        if not await asyncio.to_thread(require_manager(rt).remove, tenant, name):
+        manager = require_manager(rt)
+        if rt.shared_adapters:
+            deleted = await rt.shared_adapters.delete(tenant, name)
+        else:
+            deleted = await asyncio.to_thread(manager.remove, tenant, name)
+        if not deleted:
             raise _unknown(name)
         return {"id": name, "object": "adapter", "deleted": True}
 
@@ -91,12 +112,40 @@ def require_manager(rt: Runtime) -> Any:
     return manager
 
 
-def model_cards(rt: Runtime, tenant: str) -> list[dict[str, Any]]:
+async def _publish(shared: SharedAdapters, manager: Any, tenant: str, name: str,
+                   obj: dict[str, Any], blobs: dict[str, bytes]) -> bool:
+    """Register a validated upload in the shared registry; on a refusal or a failure, drop the
+    local copy (nothing half-registered)."""
+    try:
+        published = await shared.publish(tenant, name, obj, blobs)
+    except BaseException:
+        await asyncio.to_thread(manager.remove, tenant, name)
+        raise
+    if not published:
+        await asyncio.to_thread(manager.remove, tenant, name)
+    return published
+
+
+async def ensure_adapter(rt: Runtime, tenant: str, model: str) -> None:
+    """Before `model` is resolved: with a shared registry, fetch the tenant's adapter it names
+    if this replica lacks it (or drop one deleted elsewhere). No-op for the base model."""
+    served = rt.config.model_name
+    if rt.shared_adapters is None or model == served or not rt.ready or not rt.engine.adapters:
+        return
+    await rt.shared_adapters.ensure(tenant, model.removeprefix(served + ":"))
+
+
+async def model_cards(rt: Runtime, tenant: str) -> list[dict[str, Any]]:
     """`/v1/models` entries for the tenant's adapters (none before the engine is loaded)."""
     manager = rt.engine.adapters if rt.ready else None
     if manager is None:
         return []
-    return [model_card(info, rt.config.model_name) for info in manager.list(tenant)]
+    base = rt.config.model_name
+    if rt.shared_adapters:
+        return [{"id": a["id"], "object": "model", "created": a["created"],
+                 "owned_by": a["owned_by"], "parent": base, "root": base}
+                for a in await rt.shared_adapters.list(tenant)]
+    return [model_card(info, base) for info in manager.list(tenant)]
 
 
 def model_card(info: Any, base: str) -> dict[str, Any]:
@@ -148,18 +197,6 @@ async def _read_form(request: Request, limit: int) -> tuple[str, list[tuple[str,
             raise bad_request(f"bad or repeated file name {upload.filename!r}", "files")
         files.append((filename, upload))
     return name, files
-
-
-def _staging_dir(manager: Any) -> Path:
-    """A fresh folder inside the store (same file system, so registering is a rename)."""
-    path = Path(manager.store_dir) / ".staging" / uuid.uuid4().hex
-    path.mkdir(parents=True)
-    return path
-
-
-def _exists(name: str) -> APIError:
-    return APIError(409, f"adapter {name!r} already exists; delete it first", param="name",
-                    code="adapter_exists")
 
 
 def _unknown(name: str) -> APIError:

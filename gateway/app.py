@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from engine.async_engine import AsyncEngine
-from gateway.adapters import adapter_routes, model_card, model_cards
+from gateway.adapters import adapter_routes, ensure_adapter, model_card, model_cards
 from gateway.config import ServeConfig
 from gateway.errors import APIError, bad_request, from_validation, install_error_handlers, too_large
 from gateway.generation import Generation
@@ -81,10 +81,11 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
     @app.get("/v1/models")
     async def list_models(tenant: str = Depends(authenticate)) -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(config, created),
-                                           *model_cards(rt, tenant)]}
+                                           *await model_cards(rt, tenant)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+        await ensure_adapter(rt, tenant, model)
         adapter = resolve_adapter(model, config.model_name, tenant, rt.engine.adapters)
         if adapter is None:
             return _model_card(config, created)
@@ -108,6 +109,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         body: ChatCompletionRequest | CompletionRequest,
         prefix: str,
     ) -> Response:
+        await ensure_adapter(rt, tenant, body.model)
         adapter = resolve_adapter(body.model, config.model_name, tenant, rt.engine.adapters)
         constraint = resolve_constraint(body)
         turn = await resolve_session(body, tenant, rt.sessions)
@@ -122,7 +124,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         else:
             jobs = plan_completion(body, tok, facts, adapter)
         check_capacity(rt.engine.num_outstanding, len(jobs), config.max_num_seqs, config.max_queue)
-        ticket = rt.limiter.admit(tenant)
+        ticket = await rt.limiter.admit(tenant)
         gen = Generation(
             rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket, rt.metrics,
             turn.session.id if turn else None,

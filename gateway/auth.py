@@ -1,26 +1,65 @@
-"""Bearer auth: API key -> tenant. With no keys configured, auth is off and every request
-belongs to the default tenant. Tenant names scope everything a tenant creates later
-(adapters, sessions)."""
+"""Bearer auth: API key -> tenant, and tenant -> limits. With no keys configured, auth is off
+and every request belongs to the default tenant. Tenant names scope everything a tenant
+creates later (adapters, sessions).
+
+Keys are held as SHA-256 digests, so the lookup is a dict lookup on a digest (nothing to time)
+and Redis never stores a usable key. With `--redis-url` the table is shared (`SharedKeys`):
+
+    switchboard:auth:keys     hash sha256(key) -> tenant          (no TTL)
+    switchboard:auth:tenants  hash tenant -> JSON `TenantLimits`  (no TTL)
+
+A replica started with `--api-keys FILE` publishes that file there (replacing the table, in
+one transaction); every replica re-reads the table every `REFRESH_S`. A replica without
+`--api-keys` answers 503 until its first read, then uses Redis' table (empty: auth off, as
+without a keys file). Once a replica has seen keys it never turns auth off again, even if the
+table vanishes from Redis; while Redis is unreachable it keeps the last table it read.
+"""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import hashlib
+import logging
+from typing import Any
 
-from gateway.config import DEFAULT_TENANT
-from gateway.errors import unauthorized
+from gateway.config import DEFAULT_TENANT, TenantLimits
+from gateway.errors import APIError, unauthorized
+
+log = logging.getLogger(__name__)
+
+KEYS = "switchboard:auth:keys"
+TENANTS = "switchboard:auth:tenants"
+REFRESH_S = 2.0
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 class Authenticator:
-    def __init__(self, api_keys: dict[str, str] | None):
-        self.api_keys = api_keys
+    def __init__(
+        self,
+        api_keys: dict[str, str] | None,
+        tenants: dict[str, TenantLimits] | None = None,
+        default_limits: TenantLimits | None = None,
+        waiting: bool = False,
+    ):
+        """`waiting=True`: the table comes from Redis and has not been read yet (503s)."""
+        self._tenants = None if api_keys is None else {digest(k): t for k, t in api_keys.items()}
+        self._limits = dict(tenants or {})
+        self._default = default_limits or TenantLimits()
+        self.waiting = waiting
 
     @property
     def enabled(self) -> bool:
-        return self.api_keys is not None
+        return self._tenants is not None
 
     def tenant_for(self, authorization: str | None) -> str:
         """The tenant of an `Authorization` header value; raises a 401 `APIError`."""
-        if self.api_keys is None:
+        if self.waiting:
+            raise APIError(503, "The API keys have not been read from Redis yet; retry shortly.",
+                           "server_error", code="keys_unavailable", headers={"Retry-After": "2"})
+        if self._tenants is None:
             return DEFAULT_TENANT
         scheme, _, key = (authorization or "").strip().partition(" ")
         key = key.strip()
@@ -28,10 +67,59 @@ class Authenticator:
             raise unauthorized(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
             )
-        for known, tenant in self.api_keys.items():
-            if hmac.compare_digest(known.encode(), key.encode()):
-                return tenant
-        raise unauthorized(f"Incorrect API key provided: {_redact(key)}.")
+        tenant = self._tenants.get(digest(key))
+        if tenant is None:
+            raise unauthorized(f"Incorrect API key provided: {_redact(key)}.")
+        return tenant
+
+    def limits_for(self, tenant: str) -> TenantLimits:
+        return self._limits.get(tenant, self._default)
+
+    def replace(self, tenants: dict[str, str], limits: dict[str, TenantLimits]) -> None:
+        """Swap in a table read from Redis (`tenants`: digest -> tenant). An empty table
+        turns auth off only if it was never on."""
+        self.waiting = False
+        if tenants or self._tenants is None:
+            self._tenants = tenants or None
+            self._limits = limits
+        else:
+            log.warning("the API-key table in Redis is empty; keeping the last one read")
+
+
+class SharedKeys:
+    """Keeps an `Authenticator` in step with the table in Redis."""
+
+    def __init__(self, redis: Any, auth: Authenticator, publish: tuple[dict, dict] | None):
+        """`publish`: (key -> tenant, tenant -> limits) to write first (`--api-keys`)."""
+        self.redis, self.auth, self.to_publish = redis, auth, publish
+
+    async def run(self) -> None:
+        """Publish (once it succeeds), then re-read every `REFRESH_S`, forever."""
+        while True:
+            try:
+                if self.to_publish is not None:
+                    await self.publish(*self.to_publish)
+                    self.to_publish = None
+                await self.refresh()
+            except Exception as e:  # noqa: BLE001 - Redis down: keep the last table, retry
+                log.warning("cannot read the API keys from Redis: %s", e)
+            await asyncio.sleep(REFRESH_S)
+
+    async def publish(self, keys: dict[str, str], limits: dict[str, TenantLimits]) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(KEYS, TENANTS)
+        pipe.hset(KEYS, mapping={digest(k): t for k, t in keys.items()})
+        if limits:
+            pipe.hset(TENANTS, mapping={t: lim.model_dump_json() for t, lim in limits.items()})
+        await pipe.execute()
+
+    async def refresh(self) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(KEYS)
+        pipe.hgetall(TENANTS)
+        tenants, limits = await pipe.execute()
+        self.auth.replace(tenants, {t: TenantLimits.model_validate_json(v)
+                                    for t, v in limits.items()})
 
 
 def _redact(key: str) -> str:

@@ -35,7 +35,10 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-lora-rank", "R", int, "largest adapter rank served (the slot width)"),
     ("--adapter-dir", "DIR", str, "where uploaded adapters are stored (default: cache dir)"),
     ("--max-adapter-bytes", "N", int, "largest accepted adapter upload"),
-    ("--redis-url", "URL", str, "session store, e.g. redis://host:6379/0 (default: in-process)"),
+    ("--redis-url", "URL", str, "shared state for replicas (sessions, keys, limits, adapters), "
+     "e.g. redis://host:6379/0 (default: in-process)"),
+    ("--advertise-url", "URL", str, "how routers reach this replica, e.g. http://10.0.0.7:8000 "
+     "(default: http://HOST:PORT)"),
     ("--session-kv-pages", "N", int, "KV pages a tenant's sessions keep pinned between turns"),
     ("--max-queue", "N", int, "sequences that may wait beyond a full batch before 429s"),
     ("--max-request-bytes", "N", int, "largest accepted request body"),
@@ -83,6 +86,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # stop gracefully on SIGTERM as on Ctrl-C
     try:
         runtime = app.state.runtime
+        if runtime.cluster:
+            runtime.cluster.advertise(server.url)
         _show_loading(console, runtime)
         if runtime.load_error is not None:
             _error(console, str(runtime.load_error))

@@ -83,7 +83,8 @@ class ServeConfig(BaseModel):
     # Prefix cache and sessions.
     prefix_cache: bool = True
     session_kv_pages: int | None = Field(None, ge=0, description="pinned pages per tenant")
-    redis_url: str | None = None  # None: sessions live in this process
+    redis_url: str | None = None  # None: sessions, keys, limits, adapters live in this process
+    advertise_url: str | None = None  # how routers reach this replica (default: where it binds)
 
     @model_validator(mode="after")
     def _check_loras(self) -> ServeConfig:

@@ -1,5 +1,6 @@
 """The gateway's runtime state, built once per app: config, engine, auth, limits, metrics,
-and (once the model is loaded) the tokenizer and engine facts the routes need."""
+and (once the model is loaded) the tokenizer and engine facts the routes need. With
+`--redis-url`, `cluster` shares keys, limits, adapters and sessions with the other replicas."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import threading
 
 from engine.async_engine import LOAD_STAGES, AsyncEngine
 from gateway.auth import Authenticator
+from gateway.cluster import Cluster
 from gateway.config import ServeConfig
 from gateway.errors import APIError, not_ready
-from gateway.limits import TenantLimiter
+from gateway.limits import SharedLimiter, TenantLimiter
 from gateway.metrics import Metrics
 from gateway.params import EngineFacts
+from gateway.shared_adapters import SharedAdapters
 from gateway.tokenizer import GatewayTokenizer
 from sessions.store import MemoryStore, RedisStore, SessionStore
 
@@ -26,8 +29,14 @@ class Runtime:
     def __init__(self, config: ServeConfig, engine: AsyncEngine | None = None):
         self.config = config
         self.engine = engine or AsyncEngine(config.engine_config())
-        self.auth = Authenticator(config.api_keys)
-        self.limiter = TenantLimiter(config.limits_for)
+        shared = config.redis_url is not None
+        self.auth = Authenticator(config.api_keys, config.tenants, config.default_limits,
+                                  waiting=shared and config.api_keys is None)
+        self.cluster = Cluster(self, config.redis_url) if config.redis_url else None
+        self.limiter: TenantLimiter | SharedLimiter = (
+            self.cluster.limiter if self.cluster else TenantLimiter(self.auth.limits_for))
+        self.shared_adapters: SharedAdapters | None = (
+            self.cluster.adapters if self.cluster else None)
         self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth)
         self.sessions: SessionStore = (
             RedisStore(config.redis_url) if config.redis_url else MemoryStore()
@@ -45,10 +54,14 @@ class Runtime:
         (and the API) once the model is loaded."""
         self.engine.start(asyncio.get_running_loop())
         self._loader = asyncio.create_task(self._finish_loading())
+        if self.cluster:
+            await self.cluster.start()
 
     async def stop(self) -> None:
         if self._loader is not None:
             self._loader.cancel()
+        if self.cluster:
+            await self.cluster.stop()
         await asyncio.to_thread(self.engine.shutdown)
         await self.sessions.close()
 

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Body, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from gateway.adapters import ensure_adapter
 from gateway.errors import bad_request
 from gateway.params import resolve_adapter
 from gateway.runtime import Runtime
@@ -31,6 +32,7 @@ def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Callable[..., st
     async def create_session(
         body: CreateSession, tenant: str = Depends(authenticate)
     ) -> dict[str, Any]:
+        await ensure_adapter(rt, tenant, body.model)
         resolve_adapter(body.model, rt.config.model_name, tenant, rt.engine.adapters)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]

@@ -3,11 +3,13 @@ planning. Milliseconds each."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -107,7 +109,8 @@ def test_tenant_concurrency_and_tokens_per_minute() -> None:
     now = [1000.0]
     limits = {"a": TenantLimits(max_concurrent_requests=1),
               "t": TenantLimits(tokens_per_minute=40)}
-    lim = TenantLimiter(lambda t: limits.get(t, TenantLimits()), clock=lambda: now[0])
+    limiter = TenantLimiter(lambda t: limits.get(t, TenantLimits()), clock=lambda: now[0])
+    lim = SimpleNamespace(admit=lambda tenant: asyncio.run(limiter.admit(tenant)))
     ticket = lim.admit("a")
     with pytest.raises(APIError) as e:
         lim.admit("a")

@@ -1,0 +1,160 @@
+"""Adapters across replicas (`--redis-url`): the shared registry (lora/shared_store.py) is the
+truth, this replica's adapter manager a cache of validated copies.
+
+An upload is validated here (as on a single server), then registered in Redis with its
+files; a name taken meanwhile by another replica's upload is a 409 and the local copy is
+dropped. A request naming an adapter this replica lacks fetches its files into a staging
+folder and registers them through the manager, validated exactly as an upload; an adapter
+deleted or replaced elsewhere is dropped here at its next use. One lock per (tenant, name)
+keeps a replica from fetching one adapter twice at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.errors import APIError, bad_request
+from lora.shared_store import SharedAdapterStore
+
+log = logging.getLogger(__name__)
+
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+class SharedAdapters:
+    def __init__(self, store: SharedAdapterStore, manager: Callable[[], Any]):
+        """`manager()`: the engine's adapter manager."""
+        self.store, self.manager = store, manager
+        self.versions: dict[tuple[str, str], str] = {}  # what this replica registered
+        self._locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def lock(self, tenant: str, name: str) -> asyncio.Lock:
+        return self._locks[(tenant, name)]
+
+    async def ensure(self, tenant: str, name: str) -> None:
+        """Bring this replica's copy of the tenant's adapter `name` in line with the shared
+        registry. With Redis unreachable, it keeps what it has."""
+        if await self._in_step(tenant, name):
+            return
+        manager = self.manager()
+        async with self.lock(tenant, name):
+            async with unavailable():
+                meta = await self.store.get(tenant, name)
+            version = None if meta is None else meta["version"]
+            if manager.get(tenant, name) is not None:
+                if self.versions.get((tenant, name)) == version:
+                    return  # another request fetched it meanwhile
+                await asyncio.to_thread(manager.remove, tenant, name)  # gone or replaced
+                self.versions.pop((tenant, name), None)
+            if version is not None:
+                await self._fetch(manager, tenant, name, version)
+
+    async def _in_step(self, tenant: str, name: str) -> bool:
+        """True when there is nothing to do (checked without the lock, so that a stream of
+        unknown model names creates no locks)."""
+        try:
+            meta = await self.store.get(tenant, name)
+        except _REDIS_DOWN as e:
+            log.warning("adapter registry unreachable (%s); using local adapters", e)
+            return True
+        here = self.manager().get(tenant, name) is not None
+        if meta is None:
+            return not here
+        return here and self.versions.get((tenant, name)) == meta["version"]
+
+    async def _fetch(self, manager: Any, tenant: str, name: str, version: str) -> None:
+        folder = staging_dir(manager)
+        try:
+            async with unavailable():
+                await self.store.download(tenant, name, version, folder)
+            await asyncio.to_thread(manager.add, tenant, name, folder, move=True)
+        except FileNotFoundError:
+            return  # deleted between the two reads: as unknown as never uploaded
+        except ValueError as e:  # AdapterError: the stored files do not validate here
+            raise invalid(name, e) from None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.versions[(tenant, name)] = version
+
+    async def claim(self, tenant: str, name: str) -> None:
+        """Before an upload (under `lock`): 409 when the name is registered; a local copy of
+        an adapter deleted elsewhere is dropped."""
+        async with unavailable():
+            if await self.store.get(tenant, name) is not None:
+                raise exists(name)
+        await asyncio.to_thread(self.manager().remove, tenant, name)
+
+    async def publish(self, tenant: str, name: str, obj: dict[str, Any],
+                      files: dict[str, bytes]) -> bool:
+        """Register a validated upload (already in the local manager). False: name taken."""
+        meta = {k: v for k, v in obj.items() if k not in ("tier", "pinned")}
+        async with unavailable():
+            version = await self.store.publish(tenant, name, meta, files)
+        if version is not None:
+            self.versions[(tenant, name)] = version
+        return version is not None
+
+    async def list(self, tenant: str) -> list[dict[str, Any]]:
+        async with unavailable():
+            return [self._view(tenant, m) for m in await self.store.list(tenant)]
+
+    async def get(self, tenant: str, name: str) -> dict[str, Any] | None:
+        async with unavailable():
+            meta = await self.store.get(tenant, name)
+        return None if meta is None else self._view(tenant, meta)
+
+    async def delete(self, tenant: str, name: str) -> bool:
+        async with self.lock(tenant, name), unavailable():
+            meta = await self.store.get(tenant, name)
+            deleted = meta is not None and await self.store.delete(tenant, name, meta["version"])
+        await asyncio.to_thread(self.manager().remove, tenant, name)
+        self.versions.pop((tenant, name), None)
+        return deleted
+
+    def _view(self, tenant: str, meta: dict[str, Any]) -> dict[str, Any]:
+        """The adapter object: the shared entry, with this replica's tier ("store": not
+        fetched here yet)."""
+        name, version = meta["id"], meta["version"]
+        local = self.manager().get(tenant, name)
+        here = local is not None and self.versions.get((tenant, name)) == version
+        obj = {k: v for k, v in meta.items() if k != "version"}
+        return {**obj, "pinned": here and local.pinned, "tier": local.tier if here else "store"}
+
+
+def staging_dir(manager: Any) -> Path:
+    """A fresh folder inside the store (same file system, so registering is a rename)."""
+    path = Path(manager.store_dir) / ".staging" / uuid.uuid4().hex
+    path.mkdir(parents=True)
+    return path
+
+
+def exists(name: str) -> APIError:
+    return APIError(409, f"adapter {name!r} already exists; delete it first", param="name",
+                    code="adapter_exists")
+
+
+def invalid(name: str, e: ValueError) -> APIError:
+    problems = getattr(e, "problems", [str(e)])
+    return bad_request(f"adapter {name!r} is invalid: " + "; ".join(problems), "files",
+                       "invalid_adapter")
+
+
+@asynccontextmanager
+async def unavailable() -> AsyncIterator[None]:
+    """Redis unreachable -> 503 with Retry-After."""
+    try:
+        yield
+    except _REDIS_DOWN as e:
+        raise APIError(503, f"The adapter registry is unavailable: {e}", "server_error",
+                       code="adapter_store_unavailable", headers={"Retry-After": "1"}) from e

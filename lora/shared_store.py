@@ -1,0 +1,91 @@
+"""The adapter registry every replica shares (`--redis-url`), with the adapters' files.
+
+Keys:
+    switchboard:adapters:{tenant}                  hash name -> JSON: the adapter object as
+                                                   uploaded, plus `version` (no TTL)
+    switchboard:adapter-files:{tenant}:{name}:{version}
+                                                   hash file name -> bytes (no TTL)
+
+The registry is the truth: an upload is registered (and its files written) in one Lua script
+that refuses a name the tenant already has; a delete removes one version. Each replica's
+`--adapter-dir` is its local cache of validated copies. Adapters are small (LoRA deltas, a few
+MB to a few hundred), so Redis holds them whole; `--max-adapter-bytes` bounds each.
+
+No torch here: the gateway imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+REGISTRY = "switchboard:adapters:"
+FILES = "switchboard:adapter-files:"
+
+# KEYS: registry, files. ARGV: name, meta JSON, then file name / bytes pairs.
+_PUBLISH = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# KEYS: registry, files. ARGV: name, version. Deletes only that version.
+_DELETE = """
+local meta = redis.call('HGET', KEYS[1], ARGV[1])
+if not meta or cjson.decode(meta)['version'] ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+
+class SharedAdapterStore:
+    def __init__(self, url: str):
+        import redis.asyncio as aioredis
+
+        # Bytes in, bytes out: adapter files are binary.
+        self.redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=30)
+        self._publish = self.redis.register_script(_PUBLISH)
+        self._delete = self.redis.register_script(_DELETE)
+
+    async def get(self, tenant: str, name: str) -> dict[str, Any] | None:
+        """The adapter's registry entry (with `version`), or None."""
+        raw = await self.redis.hget(REGISTRY + tenant, name)
+        return None if raw is None else json.loads(raw)
+
+    async def list(self, tenant: str) -> list[dict[str, Any]]:
+        entries = [json.loads(v) for v in (await self.redis.hgetall(REGISTRY + tenant)).values()]
+        return sorted(entries, key=lambda m: (m["created"], m["id"]))
+
+    async def publish(self, tenant: str, name: str, meta: dict[str, Any],
+                      files: dict[str, bytes]) -> str | None:
+        """Register `name` with its files; its version, or None when the name is taken."""
+        version = uuid.uuid4().hex
+        args: list[Any] = [name, json.dumps({**meta, "version": version})]
+        for filename, data in files.items():
+            args += [filename, data]
+        ok = await self._publish(keys=[REGISTRY + tenant, _files(tenant, name, version)],
+                                 args=args)
+        return version if ok else None
+
+    async def download(self, tenant: str, name: str, version: str, dest: Path) -> None:
+        """Write that version's files into the folder `dest`."""
+        files = await self.redis.hgetall(_files(tenant, name, version))
+        if not files:
+            raise FileNotFoundError(f"adapter {name!r} has no files in the shared store")
+        for filename, data in files.items():
+            (dest / Path(filename.decode()).name).write_bytes(data)
+
+    async def delete(self, tenant: str, name: str, version: str) -> bool:
+        return bool(await self._delete(keys=[REGISTRY + tenant, _files(tenant, name, version)],
+                                       args=[name, version]))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+def _files(tenant: str, name: str, version: str) -> str:
+    return f"{FILES}{tenant}:{name}:{version}"
