@@ -11,7 +11,7 @@ one is recorded in the JSON and the rest still run):
      unconstrained, session TTFT;
   3. benchmarks/gpu_baselines.py: against transformers `generate` (static batches of 64) and
      peft's mixed-adapter batch, on the same weights.
-The default full run fits 9 minutes on one H100 (budgets below add up to 8 minutes plus
+The default full run fits 9 minutes on one H100 (budgets below add up to under 8 minutes plus
 process start-ups); --quick is a short smoke run (the 1B preset, smaller grids).
 Writes --out (JSON) and the same stem with .md (the table).
 """
@@ -37,7 +37,7 @@ SOURCE = {"lora_vs_base_b64": "decode", "lora64_roofline_fraction_b64": "decode"
           "roofline_fraction_b64": "decode", "vs_transformers": "vs_transformers",
           "lora_vs_peft_b64": "vs_peft", "constrained_vs_unconstrained_b64": "constrained",
           "lora_kernel_bw_fraction": "lora_kernel", "session_ttft_speedup_4k": "session"}
-FULL = {"tests": 90, "engine": 230, "baselines": 160}
+FULL = {"tests": 90, "engine": 220, "baselines": 150}
 QUICK = {"tests": 45, "engine": 75, "baselines": 50}
 
 
