@@ -37,7 +37,7 @@ SOURCE = {"lora_vs_base_b64": "decode", "lora64_roofline_fraction_b64": "decode"
           "roofline_fraction_b64": "decode", "vs_transformers": "vs_transformers",
           "lora_vs_peft_b64": "vs_peft", "constrained_vs_unconstrained_b64": "constrained",
           "lora_kernel_bw_fraction": "lora_kernel", "session_ttft_speedup_4k": "session"}
-FULL = {"tests": 90, "engine": 220, "baselines": 150}
+FULL = {"tests": 80, "engine": 220, "baselines": 170}
 QUICK = {"tests": 45, "engine": 75, "baselines": 50}
 
 
@@ -101,12 +101,12 @@ def gpu_tests(limit: float) -> dict:
 
 
 def worker(script: str, argv: list[str], budget: float) -> dict:
-    """Run one worker; it stops starting work at `budget` s and is killed 30 s after."""
+    """Run one worker; it stops starting work at `budget` s and is killed 20 s after."""
     cmd = [sys.executable, str(HERE / script), *argv, "--budget", str(budget)]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     t = time.monotonic()
     try:
-        rc = subprocess.run(cmd, cwd=ROOT, timeout=budget + 30,
+        rc = subprocess.run(cmd, cwd=ROOT, timeout=budget + 20,
                             env={**os.environ, "PYTHONPATH": path}).returncode
         status = "ok" if rc == 0 else f"exit {rc}"
     except subprocess.TimeoutExpired:
