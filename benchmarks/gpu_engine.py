@@ -1,0 +1,236 @@
+"""The GPU suite's engine worker: decode throughput (base and multi-LoRA), roofline fractions,
+the BGMV kernels' bandwidth, constrained decoding and session TTFT, on one engine.
+
+Run by benchmarks/gpu_suite.py; it appends one JSON line per section to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from gpu_common import (
+    Recorder,
+    Section,
+    adapter_bytes,
+    copy_bandwidth,
+    decode_round,
+    greedy,
+    kv_bytes_per_token,
+    random_prompts,
+    weight_bytes,
+    write_adapter,
+)
+
+from engine import LLM
+from lora.batch import LoraBatchInfo
+from lora.slots import FUSED, LoraSlots
+
+RANK = 16
+PROMPT_LEN = 1024  # "1k-token contexts"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "notes": {"type": "string"}},
+          "required": ["name", "notes"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="synthetic:llama3-8b")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole worker")
+    ap.add_argument("--adapter-dir", type=Path, required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--distinct", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--big", type=int, default=256, help="batch of the last, largest config "
+                    "(as many distinct adapters; 0 skips it)")
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per config")
+    args = ap.parse_args()
+    rec = Recorder(args.out, args.budget)
+    most = max([*args.distinct, 8, args.big, 64])
+    seqs = max([*args.batches, args.big])
+
+    with rec.section("setup", 90) as s:
+        t = time.monotonic()
+        pages_per_seq = -(-(PROMPT_LEN + args.steps + 8) // 16)
+        llm = LLM(args.model, dtype="bfloat16", device="cuda", max_num_seqs=seqs,
+                  max_num_batched_tokens=16384, num_pages=seqs * pages_per_seq + 1200,
+                  max_loras=most, max_cpu_loras=most, max_lora_rank=RANK)
+        torch.cuda.synchronize()
+        cfg = llm.engine.model_config
+        s.result.update(load_s=round(time.monotonic() - t, 1), copy_bw=copy_bandwidth(),
+                        weight_bytes=weight_bytes(llm.engine.model),
+                        kv_bytes_per_token=kv_bytes_per_token(cfg, 2),
+                        adapter_bytes=adapter_bytes(cfg, RANK, 2),
+                        device=torch.cuda.get_device_name())
+        bw = s.result["copy_bw"]
+        setup = s.result
+
+    with rec.section("adapters", 60) as s:
+        t = time.monotonic()
+        files = [args.adapter_dir / f"f{k}" for k in range(16)]
+        for k, f in enumerate(files):
+            write_adapter(f, cfg, RANK, seed=k, device="cuda")
+        # Each name is its own adapter with its own device slot; names share 16 weight files
+        # only to keep disk writes small.
+        with ThreadPoolExecutor(16) as pool:  # reads and checks release the GIL
+            list(pool.map(lambda k: llm.load_adapter(f"a{k}", files[k % 16]), range(most)))
+        s.result.update(adapters=most, files=len(files), seconds=round(time.monotonic() - t, 1))
+
+    vocab = cfg.vocab_size
+    prompts = random_prompts(seqs, PROMPT_LEN, seed=1, vocab=vocab)
+    grid = [(b, 0) for b in args.batches] + [(b, 8) for b in args.batches if b == 64]
+    grid += [(b, d) for d in args.distinct for b in args.batches if d <= b]
+    grid.sort(key=lambda c: (c[0] != 64, c))  # the batch-64 ratios first
+    with rec.section("decode", 150) as s:
+        decode_grid(llm, s, grid, prompts, args.steps, setup)
+        derive(s, setup)
+    with rec.section("lora_kernel", 20) as s:
+        lora_kernel(s, cfg, bw)
+    with rec.section("constrained", 40) as s:
+        constrained(llm, s, prompts[:64], args.steps * 2)
+    with rec.section("session", 30) as s:
+        session_ttft(llm, s, vocab)
+    if args.big:
+        with rec.section("decode_big", 90) as s:
+            decode_grid(llm, s, [(args.big, args.big), (args.big, 0)], prompts, args.steps,
+                        setup, warm=False)
+
+
+def decode_grid(llm: LLM, s: Section, grid, prompts, steps: int, setup, warm=True) -> None:
+    """tokens/s for each (batch, distinct adapters) config; adapters round-robin, so a batch
+    of b with d <= b distinct adapters has every adapter on b / d sequences."""
+    if warm:  # CUDA graphs, Triton autotuning, cuBLAS handles: a short round of each kind
+        decode_round(llm, prompts[:64], lambda i, n: greedy(n, f"a{i % 64}"), 2)
+        decode_round(llm, prompts[:64], lambda i, n: greedy(n), 2)
+    tok_s = s.result.setdefault("decode_tok_s", {})
+    detail = s.result.setdefault("detail", {})
+    for b, d in grid:
+        if s.left() < 10:
+            s.notes.append(f"skipped batch {b} with {d} adapters: section out of time")
+            continue
+        t = time.monotonic()
+        r = decode_round(llm, prompts[:b], lambda i, n, d=d: greedy(n, f"a{i % d}"
+                                                                     if d else None), steps)
+        key = "base" if d == 0 else f"lora_{d}"
+        tok_s.setdefault(key, {})[str(b)] = round(r.tok_s, 1)
+        nbytes = setup["weight_bytes"] + b * r.mean_context * setup["kv_bytes_per_token"]
+        nbytes += min(d, b) * setup["adapter_bytes"]
+        detail[f"{key}_b{b}"] = {"step_ms": round(r.step_s * 1e3, 2),
+                                 "mean_context": round(r.mean_context, 1),
+                                 "mean_running": round(r.mean_running, 1),
+                                 "bytes_per_step": int(nbytes),
+                                 "roofline_fraction": round(nbytes / setup["copy_bw"] / r.step_s,
+                                                            3),
+                                 "wall_s": round(time.monotonic() - t, 1)}
+
+
+def derive(s: Section, setup) -> None:
+    d = s.result.get("detail", {})
+    tok = s.result.get("decode_tok_s", {})
+    if "base_b64" in d:
+        s.result["roofline_fraction_b64"] = d["base_b64"]["roofline_fraction"]
+    if "lora_64_b64" in d:
+        s.result["lora64_roofline_fraction_b64"] = d["lora_64_b64"]["roofline_fraction"]
+    if "64" in tok.get("base", {}) and "64" in tok.get("lora_8", {}):
+        s.result["lora_vs_base_b64"] = round(tok["lora_8"]["64"] / tok["base"]["64"], 3)
+
+
+def lora_kernel(s: Section, cfg, bw: float, batch: int = 64) -> None:
+    """Bytes/s of shrink + expand (BGMV: every token its own adapter) over all four fused
+    projections of 8 layers, each slot's weights read once per pass (1 GB+, far past L2)."""
+    small = dataclasses.replace(cfg, num_layers=8)
+    slots = LoraSlots(small, batch, RANK, torch.bfloat16, "cuda")
+    for layer in slots.layers:
+        for stack in layer.values():
+            stack.a.normal_(0, stack.a.shape[2] ** -0.5)
+            for b in stack.b:
+                b.normal_(0, 0.02)
+    slots.scales.fill_(2.0)
+    info = LoraBatchInfo.build(list(range(batch)), [1] * batch, "cuda")
+    assert not info.use_sgmv
+    xs = {f: torch.randn(batch, slots.layers[0][f].a.shape[2], device="cuda",
+                         dtype=torch.bfloat16) for f in FUSED}
+    ys = {f: torch.randn(batch, sum(b.shape[1] for b in slots.layers[0][f].b), device="cuda",
+                         dtype=torch.bfloat16) for f in FUSED}
+    nbytes = sum(t.numel() * t.element_size() for layer in slots.layers
+                 for stack in layer.values() for t in (stack.a, *stack.b))
+    nbytes += small.num_layers * sum(x.numel() * 2 + 2 * y.numel() * 2
+                                     for x, y in zip(xs.values(), ys.values(), strict=True))
+
+    def one_pass() -> None:
+        for layer in range(small.num_layers):
+            for f in FUSED:
+                slots.apply(ys[f], xs[f], layer, f, info)
+
+    for _ in range(3):
+        one_pass()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        one_pass()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    t = statistics.median(times)
+    s.result.update(lora_kernel_bw_fraction=round(nbytes / t / bw, 3),
+                    lora_kernel_bytes_per_pass=nbytes, lora_kernel_pass_ms=round(t * 1e3, 3),
+                    lora_kernel_launches_per_pass=small.num_layers * len(FUSED))
+
+
+def constrained(llm: LLM, s: Section, prompts, steps: int) -> None:
+    """Decode tokens/s at batch 64 with a JSON schema on every request ÷ without; two
+    interleaved rounds each, best of each (the contexts come from the decode section's cache)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
+    runs: dict[str, list] = {"constrained": [], "unconstrained": []}
+    for _ in range(2):
+        for kind in runs:
+            kw = {"response_format": rf} if kind == "constrained" else {}
+            r = decode_round(llm, prompts, lambda i, n, kw=kw: greedy(n, **kw), steps)
+            runs[kind].append(r)
+    best = {k: max(v, key=lambda r: r.tok_s) for k, v in runs.items()}
+    s.result.update({f"{k}_tok_s": round(r.tok_s, 1) for k, r in best.items()})
+    s.result.update({f"{k}_mean_running": round(r.mean_running, 1) for k, r in best.items()})
+    s.result["constrained_vs_unconstrained_b64"] = round(
+        best["constrained"].tok_s / best["unconstrained"].tok_s, 3)
+
+
+def session_ttft(llm: LLM, s: Section, vocab: int, history: int = 4096, turn: int = 64) -> None:
+    """Time to first token of a turn after `history` tokens: a cold request (nothing cached)
+    ÷ the next turn of the same session (its history pinned in the prefix cache)."""
+    eng = llm.engine
+
+    def ttft(rid: str, prompt: list[int], session: str) -> tuple[float, int]:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.add_request(rid, prompt, greedy(1), session_id=session)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.request_id == rid and o.new_token_ids:
+                    dt = time.perf_counter() - t
+                    while eng.has_unfinished_requests():
+                        eng.step()
+                    return dt, o.new_token_ids[0]
+        raise RuntimeError(f"request {rid} finished without a token")
+
+    cold, warm = [], []
+    for k in range(4):  # the first pair is a warm-up
+        hist, t1, t2 = random_prompts(3, [history, turn, turn], seed=100 + k, vocab=vocab)
+        c, tok = ttft(f"cold-{k}", hist + t1, f"sess-{k}")
+        w, _ = ttft(f"warm-{k}", hist + t1 + [tok] + t2, f"sess-{k}")
+        eng.release_session(f"sess-{k}")
+        if k:
+            cold.append(c)
+            warm.append(w)
+    c, w = statistics.median(cold), statistics.median(warm)
+    s.result.update(cold_ttft_ms=round(c * 1e3, 1), session_ttft_ms=round(w * 1e3, 1),
+                    session_ttft_speedup_4k=round(c / w, 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The H100 suite: GPU tests, then every figure of the GPU issue in one run, one table.
+
+    python3 benchmarks/gpu_suite.py [--quick] [--model synthetic:llama3-8b] [--out FILE]
+
+Steps, each in its own process with a hard time limit (a crash, a CUDA fault or a hang in
+one is recorded in the JSON and the rest still run):
+  1. `pytest -m gpu` over the test files that hold GPU tests;
+  2. benchmarks/gpu_engine.py: decode tokens/s (base; 1/8/16/64/256 distinct rank-16
+     adapters on all 7 projections; 1k-token contexts), roofline fractions against a
+     device-to-device copy measured in the same process, BGMV bandwidth, constrained/
+     unconstrained, session TTFT;
+  3. benchmarks/gpu_baselines.py: against transformers `generate` (static batches of 64) and
+     peft's mixed-adapter batch, on the same weights.
+The default full run fits 9 minutes on one H100 (budgets below add up to under 8 minutes plus
+process start-ups); --quick is a short smoke run (the 1B preset, smaller grids).
+Writes --out (JSON) and the same stem with .md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TARGETS = {"lora_vs_base_b64": 0.90, "lora64_roofline_fraction_b64": 0.75,
+           "roofline_fraction_b64": 0.80, "vs_transformers": 8, "lora_vs_peft_b64": 30,
+           "constrained_vs_unconstrained_b64": 0.97, "lora_kernel_bw_fraction": 0.70,
+           "session_ttft_speedup_4k": 10}
+SOURCE = {"lora_vs_base_b64": "decode", "lora64_roofline_fraction_b64": "decode",
+          "roofline_fraction_b64": "decode", "vs_transformers": "vs_transformers",
+          "lora_vs_peft_b64": "vs_peft", "constrained_vs_unconstrained_b64": "constrained",
+          "lora_kernel_bw_fraction": "lora_kernel", "session_ttft_speedup_4k": "session"}
+FULL = {"tests": 80, "engine": 220, "baselines": 170}
+QUICK = {"tests": 45, "engine": 75, "baselines": 50}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="short smoke run on the 1B preset")
+    ap.add_argument("--model", default=None, help="default: synthetic:llama3-8b "
+                    "(synthetic:llama3-1b with --quick)")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "h100.json")
+    ap.add_argument("--skip-tests", action="store_true")
+    args = ap.parse_args()
+    model = args.model or ("synthetic:llama3-1b" if args.quick else "synthetic:llama3-8b")
+    budget = QUICK if args.quick else FULL
+    start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
+    parts = work / "sections.jsonl"
+    parts.touch()
+
+    tests = {"status": "skipped"} if args.skip_tests else gpu_tests(budget["tests"])
+    adapters = work / "adapters"
+    common = ["--model", model, "--out", str(parts), "--adapter-dir", str(adapters)]
+    engine_args = ["--batches", "1", "16", "64", "--big", "0", "--steps", "8"] if args.quick else []
+    base_args = ["--requests", "32", "--max-prompt", "512", "--max-output", "64",
+                 "--peft-steps", "8"] if args.quick else []
+    workers = {
+        "engine": worker("gpu_engine.py", common + engine_args, budget["engine"]),
+        "baselines": worker("gpu_baselines.py", common + base_args, budget["baselines"]),
+    }
+    sections = {}
+    for line in parts.read_text().splitlines():
+        d = json.loads(line)
+        sections[d.pop("section")] = d
+    results = collect(model, sections, tests, workers, time.monotonic() - start, args.quick)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    table = render(results)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+
+
+def gpu_tests(limit: float) -> dict:
+    """pytest -m gpu over the files that hold GPU tests (the other files need packages an
+    offline GPU machine may lack)."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                   if "mark.gpu" in p.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
+    t = time.monotonic()
+    with tempfile.TemporaryFile("w+") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+        log.seek(0)
+        out = log.read()
+    print(out[-4000:], flush=True)
+    summary = next((ln.strip("= ") for ln in reversed(out.splitlines())
+                    if " passed" in ln or " failed" in ln or " error" in ln), "no summary")
+    return {"status": "ok" if rc == 0 else ("timeout" if rc == -1 else f"exit {rc}"),
+            "summary": summary, "files": files, "seconds": round(time.monotonic() - t, 1)}
+
+
+def worker(script: str, argv: list[str], budget: float) -> dict:
+    """Run one worker; it stops starting work at `budget` s and is killed 20 s after."""
+    cmd = [sys.executable, str(HERE / script), *argv, "--budget", str(budget)]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    t = time.monotonic()
+    try:
+        rc = subprocess.run(cmd, cwd=ROOT, timeout=budget + 20,
+                            env={**os.environ, "PYTHONPATH": path}).returncode
+        status = "ok" if rc == 0 else f"exit {rc}"
+    except subprocess.TimeoutExpired:
+        status = "killed at its time limit"
+    return {"status": status, "seconds": round(time.monotonic() - t, 1)}
+
+
+def collect(model, sections, tests, workers, seconds, quick) -> dict:
+    import torch
+    import transformers
+    import triton
+
+    setup = sections.get("setup", {}).get("result", {})
+    res = {"device": setup.get("device"), "model": model, "quick": quick,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
+           "triton": triton.__version__, "transformers": transformers.__version__,
+           "copy_bw_bytes_per_s": setup.get("copy_bw")}
+    decode = {}
+    for name in ("decode", "decode_big"):
+        for key, row in sections.get(name, {}).get("result", {}).get("decode_tok_s", {}).items():
+            decode.setdefault(key, {}).update(row)
+    res["decode_tok_s"] = decode
+    for key, sec in SOURCE.items():
+        res[key] = sections.get(sec, {}).get("result", {}).get(key)
+    res["targets"] = TARGETS
+    res["gpu_tests"] = tests
+    res["workers"] = workers
+    res["sections"] = sections
+    res["suite_seconds"] = round(seconds, 1)
+    return res
+
+
+def render(r: dict) -> str:
+    lines = [f"GPU suite: {r['device']}, {r['model']}, torch {r['torch']}, triton "
+             f"{r['triton']}, transformers {r['transformers']}, {r['date']}, "
+             f"{r['suite_seconds']} s{' (quick)' if r['quick'] else ''}",
+             f"GPU tests: {r['gpu_tests'].get('status')} ({r['gpu_tests'].get('summary', '')})",
+             "", "| figure | value | target | note |", "|---|---|---|---|"]
+    bw = r.get("copy_bw_bytes_per_s")
+    lines.append(f"| copy bandwidth (read + write) | {bw / 1e12:.2f} TB/s | | |" if bw else
+                 "| copy bandwidth | n/a | | setup failed |")
+    for key, target in TARGETS.items():
+        value = r.get(key)
+        sec = r["sections"].get(SOURCE[key], {})
+        note = "" if value is not None else (sec.get("status") or "section did not run")
+        shown = "n/a" if value is None else value
+        met = "" if value is None else (" (met)" if value >= target else " (missed)")
+        lines.append(f"| {key} | {shown} | >= {target}{met} | {note[:120]} |")
+    for kind, row in r["decode_tok_s"].items():
+        for b, v in sorted(row.items(), key=lambda kv: int(kv[0])):
+            detail = r["sections"].get("decode", {}).get("result", {}).get("detail", {})
+            d = detail.get(f"{kind}_b{b}") or r["sections"].get("decode_big", {}).get(
+                "result", {}).get("detail", {}).get(f"{kind}_b{b}", {})
+            lines.append(f"| decode tok/s {kind} batch {b} | {v} | | "
+                         f"{d.get('step_ms')} ms/step, roofline {d.get('roofline_fraction')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
