@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import llguidance as llg
@@ -16,6 +17,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 from grammar.backend import Backend, BackendError, Matcher
 from grammar.rewrite import ascii_digits, rewrite_schema
 from grammar.spec import ConstraintSpec
+from grammar.tools import tool_calls_lark
 from grammar.vocab import TokenVocab
 
 # llguidance's own `lenient` option ignores unimplemented keywords, but was measured to reject
@@ -23,6 +25,11 @@ from grammar.vocab import TokenVocab
 # reads oneOf as anyOf: exact whenever the branches are disjoint (the usual case: tagged unions,
 # distinct types); `check_output` catches the rest.
 JSON_OPTIONS: llg.JsonCompileOptions = {"coerce_one_of": True, "lenient": False}
+# Tool-call arguments in the one spacing models are shown (`{"a": 1, "b": 2}`): a small model
+# given free whitespace can pad a call until max_tokens.
+CALL_JSON = {**JSON_OPTIONS, "whitespace_flexible": False, "item_separator": ", ",
+             "key_separator": ": "}
+SCHEMA_KINDS = ("json_object", "json_schema", "tool_calls")  # rewritten and retried
 MAX_RETRIES = 8  # rewrites of one schema (unknown formats, relaxed keywords)
 # Keywords that only ever rule instances out: without them a schema allows a superset.
 RESTRICTING = frozenset(
@@ -141,15 +148,16 @@ class LLGuidanceBackend(Backend):
 
     def compile(self, spec: ConstraintSpec) -> str:
         """Translate and check `spec`; the artifact is llguidance's grammar JSON text."""
-        if spec.kind not in ("json_object", "json_schema"):
+        if spec.kind not in SCHEMA_KINDS:
             if self.relaxed:
                 raise BackendError("relaxed mode applies to JSON schemas only")
-            return self._check(to_llguidance(spec, None))
-        schema = spec.schema()
+            return self._check(to_llguidance(spec))
         drop_keys: frozenset[str] = frozenset()
         drop_formats: frozenset[str] = frozenset()
         for _ in range(MAX_RETRIES):
-            grammar = to_llguidance(spec, rewrite_schema(schema, drop_keys, drop_formats))
+            grammar = to_llguidance(
+                spec, partial(rewrite_schema, drop_keys=drop_keys, drop_formats=drop_formats)
+            )
             try:
                 return self._check(grammar)
             except BackendError as e:
@@ -177,15 +185,18 @@ class LLGuidanceBackend(Backend):
         return lambda: LLGuidanceMatcher(template.deep_copy(), stops)
 
 
-def to_llguidance(spec: ConstraintSpec, schema: dict[str, Any] | bool | None) -> str:
-    """llguidance's grammar text for `spec` (`schema` replaces a JSON spec's own schema);
+def to_llguidance(spec: ConstraintSpec, rewrite: Callable[[Any], Any] = lambda s: s) -> str:
+    """llguidance's grammar text for `spec`, its JSON schemas passed through `rewrite`;
     BackendError when it cannot be translated."""
     try:
         if spec.kind in ("json_object", "json_schema"):
+            schema = rewrite(spec.schema())
             schema = {} if schema is True or schema is None else schema
             return llg.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), overrides=JSON_OPTIONS
             )
+        if spec.kind == "tool_calls":
+            return llg.LLMatcher.grammar_from_lark(tool_calls_lark(spec, rewrite, CALL_JSON))
         if spec.kind == "regex":
             assert isinstance(spec.payload, str)
             return llg.LLMatcher.grammar_from_regex(ascii_digits(spec.payload))

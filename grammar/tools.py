@@ -15,6 +15,7 @@ model's chat template teaches (grammar/tool_parser.py):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -125,6 +126,35 @@ def structural_tag(spec: ConstraintSpec) -> dict[str, Any]:
         fmt = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags,
                "at_least_one": False, "stop_after_first": single}
     return {"type": "structural_tag", "format": fmt}
+
+
+def tool_calls_lark(
+    spec: ConstraintSpec, rewrite: Callable[[Any], Any], json_options: dict[str, Any]
+) -> str:
+    """The `required` / named-tool constraint as a Lark grammar with embedded JSON schemas
+    (llguidance's `%json`, which enforces `required` and `anyOf` branches exactly where
+    xgrammar's structural tags are looser). Each tool's schema goes through `rewrite`.
+    ValueError for `auto`: free text until a trigger needs xgrammar's triggered tags."""
+    payload, fmt = _payload(spec), call_format(spec)
+    if payload["mode"] != "required":
+        raise ValueError("only xgrammar's triggered tags express tool_choice 'auto'")
+    rules, names = [], []
+    for i, t in enumerate(payload["tools"]):
+        schema = rewrite(t["parameters"])
+        schema = {} if schema is True else schema
+        if not isinstance(schema, dict):
+            raise ValueError(f"the parameters of {t['name']!r} are not an object schema")
+        head = json.dumps(f"{t['name']}{fmt.args_head}")
+        rules.append(f"call_{i}: {head} args_{i}")
+        rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': json_options})}")
+        names.append(f"call_{i}")
+    calls = "call (SEP call)*" if payload["parallel"] else "call"
+    return "\n".join([
+        f"start: {calls}",
+        f"call: {json.dumps(fmt.head)} ({' | '.join(names)}) {json.dumps(fmt.end)}",
+        f"SEP: {json.dumps(fmt.separator)}",
+        *rules,
+    ])
 
 
 def check_tool_output(spec: ConstraintSpec, text: str) -> str | None:
