@@ -128,9 +128,8 @@ def bgmv_shrink_triton(
     x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
     """Same contract as `bgmv_shrink_torch`."""
-    t = x.new_zeros(x.shape[0], a_stack.shape[1])  # (num_tokens, rank)
-    # Shrink is a long-K product: wide K tiles (H100 sweep, bf16, H=4096, r=16: 12.7 -> 6.4 us).
-    _launch(x, a_stack, t, indices, None, block_n=16, block_k=512)
+    t = x.new_empty(x.shape[0], a_stack.shape[1])  # (num_tokens, rank); base rows get zeros
+    _launch(x, a_stack, t, indices, None, shrink_config(a_stack.shape[2]))
     return t
 
 
@@ -144,7 +143,19 @@ def bgmv_expand_triton(
 ) -> None:
     """Same contract as `bgmv_expand_torch`."""
     out = y.narrow(1, slice_offset, b_stack.shape[1])  # (num_tokens, N) view
-    _launch(t, b_stack, out, indices, scales, block_n=128, block_k=64)
+    _launch(t, b_stack, out, indices, scales, EXPAND_CONFIG)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages). Shrink is a long-K, narrow-N product (K = hidden
+# or intermediate, N = slices x rank); expand a short-K one (K = rank). From the H100 sweep in
+# `kernels.tune` (bf16, batch 64, rank 16, one adapter per token).
+SHRINK_CONFIG = (16, 512, 4, 2)
+SHRINK_CONFIG_LONG_K = (16, 512, 4, 2)  # K > 8192: the MLP's down projection
+EXPAND_CONFIG = (128, 16, 4, 2)
+
+
+def shrink_config(k: int) -> tuple[int, int, int, int]:
+    return SHRINK_CONFIG_LONG_K if k > 8192 else SHRINK_CONFIG
 
 
 def _launch(
@@ -153,16 +164,16 @@ def _launch(
     out: torch.Tensor,
     indices: torch.Tensor,
     scales: torch.Tensor | None,
-    block_n: int,
-    block_k: int,
+    config: tuple[int, int, int, int],
 ) -> None:
     """out[i] (+)= scale * w[indices[i]] @ inp[i]. inp: [T, K], w: [num_slots, N, K],
-    out: [T, N] (strided views allowed)."""
+    out: [T, N] (strided views allowed). Without scales (shrink) base rows are set to 0."""
     num_tokens, (n, k) = inp.shape[0], w.shape[1:]
     if num_tokens == 0:
         return
+    block_n, block_k, num_warps, num_stages = config
     block_n = min(block_n, triton.next_power_of_2(n))
-    block_k = min(block_k, triton.next_power_of_2(k))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     grid = (num_tokens, triton.cdiv(n, block_n))
     _bgmv_kernel[grid](
         inp,
@@ -182,6 +193,8 @@ def _launch(
         ACCUMULATE=scales is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -208,11 +221,14 @@ def _bgmv_kernel(
     # One program: one token x BLOCK_N output columns; a matrix-vector product, so no tl.dot.
     tok, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(idx_ptr + tok)
-    if slot < 0:
-        return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
+    out_ptrs = out_ptr + tok * s_out_t + cols * s_out_n
+    if slot < 0:  # base row: expand leaves it alone, shrink writes zeros
+        if not ACCUMULATE:
+            tl.store(out_ptrs, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=col_ok)
+        return
     w_base = w_ptr + slot.to(tl.int64) * s_w_slot
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -224,7 +240,6 @@ def _bgmv_kernel(
             other=0.0,
         )  # (BLOCK_N, BLOCK_K)
         acc += tl.sum(w.to(tl.float32) * v.to(tl.float32)[None, :], axis=1)
-    out_ptrs = out_ptr + tok * s_out_t + cols * s_out_n
     if ACCUMULATE:
         scale = tl.load(scales_ptr + slot)
         acc = tl.load(out_ptrs, mask=col_ok, other=0.0).to(tl.float32) + acc * scale

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# (BLOCK_N, num_warps, num_stages) for decode; (BLOCK_M, BLOCK_N, num_warps, num_stages) for
-# prefill. Chosen by the H100 sweep in tests/test_gpu_kernels.py (see notes there).
-DECODE_CONFIG = (64, 4, 3)
+# Decode: (BLOCK_N, num_warps, num_stages, waves of programs the splits aim for); prefill:
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). From the H100 sweep in `kernels.tune`.
+DECODE_CONFIG = (64, 4, 3, 4)
 PREFILL_CONFIG = (64, 64, 4, 2)
 
 
@@ -148,14 +148,15 @@ def paged_decode_triton(
     page_size: int,
     scale: float,
     out: torch.Tensor,
-    config: tuple[int, int, int] = DECODE_CONFIG,
+    config: tuple[int, int, int, int] = DECODE_CONFIG,
 ) -> None:
     """Same contract as `paged_decode_torch`."""
-    block_n, num_warps, num_stages = config
+    block_n, num_warps, num_stages, waves = config
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    splits = num_splits(batch * kv_heads, block_tables.shape[1] * page_size, block_n, q.device)
+    max_context = block_tables.shape[1] * page_size
+    splits = num_splits(batch * kv_heads, max_context, block_n, waves, q.device)
     part_o = q.new_empty(batch, heads, splits, dim, dtype=torch.float32)
     part_ml = q.new_empty(batch, heads, splits, 2, dtype=torch.float32)  # running max, sum
     if batch == 0:
@@ -208,10 +209,13 @@ def paged_prefill_triton(
     )
 
 
-def num_splits(programs: int, max_context: int, block_n: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): enough programs for ~4 waves over the device, a power
-    of two, never more than the context has key blocks. Depends on shapes only (CUDA graphs)."""
-    target = 4 * _num_sms(device)
+def num_splits(
+    programs: int, max_context: int, block_n: int, waves: int, device: torch.device
+) -> int:
+    """Splits per (sequence, KV head): enough programs for `waves` waves over the device, a
+    power of two, never more than the context has key blocks. Depends on shapes only (so one
+    CUDA graph per batch size serves every context length)."""
+    target = waves * _num_sms(device)
     want = max(1, min(-(-target // programs), -(-max_context // block_n), 64))
     return triton.next_power_of_2(want)
 
