@@ -150,10 +150,13 @@ class ModelRunner:
             prefill_tables=self._tensor(_pad(prefill_tables)),
             prefill_query_start=self._tensor(query_start),
             prefill_lens=self._tensor(lens[nd:]),
-            max_prefill_len=max((b - a for a, b in zip(query_start, query_start[1:])), default=0),
+            max_prefill_len=max(
+                (b - a for a, b in zip(query_start, query_start[1:], strict=False)), default=0
+            ),
         )
         long = torch.long
-        return self._tensor(ids, long), self._tensor(pos, long), meta, self._tensor(sample_rows, long)
+        ids_t, pos_t, rows_t = (self._tensor(x, long) for x in (ids, pos, sample_rows))
+        return ids_t, pos_t, meta, rows_t
 
 
 def _pad(tables: list[list[int]]) -> list[list[int]]:

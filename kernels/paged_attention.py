@@ -166,10 +166,10 @@ def paged_decode_triton(
         D_PAD=max(16, triton.next_power_of_2(dim)),
     )
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_ml, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_ml, scale, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
-        PAGE=page_size, SPLITS=splits, BLOCK_N=block_n, UPCAST=_interpreted(),
+        PAGE=page_size, BLOCK_N=block_n, UPCAST=_interpreted(),
         PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages, **common,
     )
     _decode_merge_kernel[(batch, heads)](
@@ -233,16 +233,16 @@ def _precision(q: torch.Tensor) -> str:
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o_ptr, part_ml_ptr, scale,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o_ptr, part_ml_ptr, scale, splits,
     s_q_b, s_q_h, s_k_slot, s_k_h, s_v_slot, s_v_h, s_t_b,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # One program: one sequence x one KV head (its G query heads) x one split of the context.
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     g = tl.arange(0, G_PAD)
@@ -280,7 +280,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     # Partials of an empty split: m = -inf, l = 0, acc = 0; the merge gives them weight 0.
-    row = (b * (G * tl.num_programs(1)) + heads) * SPLITS + split  # (G_PAD,) in [B, H, SPLITS]
+    row = (b * (G * tl.num_programs(1)) + heads) * splits + split  # (G_PAD,) in [B, H, splits]
     tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(part_ml_ptr + row * 2, m, mask=g_ok)
     tl.store(part_ml_ptr + row * 2 + 1, l_sum, mask=g_ok)
