@@ -7,8 +7,9 @@ there, so both kernels read every key from the cache.
 
 - decode: one query token per sequence, its context split over `num_splits` programs per KV
   head (flash-decoding), the `heads // kv_heads` query heads of a KV head sharing each K/V load;
-  a second kernel merges the splits. The grid depends only on the batch size and the table
-  width, so a CUDA graph captured for one batch size replays for any context lengths.
+  a second kernel merges the splits. The grid depends only on the batch size, so a CUDA graph
+  captured for one batch size replays for any context lengths, and a padded graph batch adds
+  up the same splits as an eager one of its size.
 - prefill / extend: a chunk of new tokens attends causally to its cached context and itself;
   one program per (query block, head, sequence).
 """
@@ -22,10 +23,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# Decode: (BLOCK_N, num_warps, num_stages, waves of programs the splits aim for); prefill:
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). From the H100 sweep in `kernels.tune`.
+# Decode: (BLOCK_N, num_warps, num_stages, waves of programs the splits aim for), for small
+# and large batches (x KV heads); prefill: (BLOCK_M, BLOCK_N, num_warps, num_stages). From the
+# H100 sweep in `kernels.tune` (8B shapes, 1k contexts): 0.82 of copy bandwidth at batch 64.
 DECODE_CONFIG = (64, 4, 3, 4)
-PREFILL_CONFIG = (64, 64, 4, 2)
+DECODE_CONFIG_LARGE = (32, 4, 2, 4)  # batch x KV heads >= 256
+PREFILL_CONFIG = (64, 32, 4, 2)  # 170-200 TFLOP/s at 2k-token prompts
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, page_size, scale, out) -> None:
@@ -148,15 +151,16 @@ def paged_decode_triton(
     page_size: int,
     scale: float,
     out: torch.Tensor,
-    config: tuple[int, int, int, int] = DECODE_CONFIG,
+    config: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Same contract as `paged_decode_torch`."""
-    block_n, num_warps, num_stages, waves = config
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    max_context = block_tables.shape[1] * page_size
-    splits = num_splits(batch * kv_heads, max_context, block_n, waves, q.device)
+    if config is None:
+        config = DECODE_CONFIG_LARGE if batch * kv_heads >= 256 else DECODE_CONFIG
+    block_n, num_warps, num_stages, waves = config
+    splits = num_splits(batch * kv_heads, waves, q.device)
     part_o = q.new_empty(batch, heads, splits, dim, dtype=torch.float32)
     part_ml = q.new_empty(batch, heads, splits, 2, dtype=torch.float32)  # running max, sum
     if batch == 0:
@@ -209,15 +213,11 @@ def paged_prefill_triton(
     )
 
 
-def num_splits(
-    programs: int, max_context: int, block_n: int, waves: int, device: torch.device
-) -> int:
+def num_splits(programs: int, waves: int, device: torch.device) -> int:
     """Splits per (sequence, KV head): enough programs for `waves` waves over the device, a
-    power of two, never more than the context has key blocks. Depends on shapes only (so one
-    CUDA graph per batch size serves every context length)."""
+    power of two, at most 64. Splits past a short context's end return at once."""
     target = waves * _num_sms(device)
-    want = max(1, min(-(-target // programs), -(-max_context // block_n), 64))
-    return triton.next_power_of_2(want)
+    return triton.next_power_of_2(max(1, min(-(-target // programs), 64)))
 
 
 @functools.cache

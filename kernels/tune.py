@@ -1,9 +1,11 @@
-"""Kernel timing sweep on a CUDA device: `python -m kernels.tune [--quick] [--out tune.json]`.
+"""Kernel timing sweep on a CUDA device:
+`python -m kernels.tune [--sweep decode prefill bgmv] [--unfused] [--out tune.json]`.
 
 Measures the device-to-device copy bandwidth, then the paged-attention and BGMV kernels over a
 few configs each at Llama-3-8B shapes (bf16, 16-token pages, rank-16 adapters), reporting each
 as achieved bytes/s over the copy bandwidth; last, a decode step of a 4-layer 8B-shaped model
-under CUDA graphs, base and multi-LoRA, fused elementwise kernels against torch's.
+under CUDA graphs, base and multi-LoRA (`--unfused`: also with torch's elementwise ops).
+Families not named in `--sweep` run their default configs only.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ def bench_decode(q, k, v, tables, lens, out, cfg) -> float:
 
 def sweep_decode(copy_bw: float, quick: bool) -> dict:
     results = {}
-    configs = list(itertools.product([32, 64, 128], [4, 8], [2, 3], [4]))
+    configs = list(itertools.product([32, 64], [2, 4, 8], [2, 3, 4], [4]))
     if quick:
-        configs = [pa.DECODE_CONFIG]
+        configs = [pa.DECODE_CONFIG, pa.DECODE_CONFIG_LARGE]
     for batch in (1, 16, 64, 128):
         k, v, tables, lens = paged_inputs([1024] * batch)
         q = torch.randn(batch, H, D, device="cuda", dtype=BF16)
@@ -76,11 +78,11 @@ def sweep_decode(copy_bw: float, quick: bool) -> dict:
             cfg = (*best[:3], waves)
             times[cfg] = run(cfg)
         best = min(times, key=times.get)
-        if pa.DECODE_CONFIG not in times:
-            times[pa.DECODE_CONFIG] = run(pa.DECODE_CONFIG)
+        default = run(None)
         results[batch] = dict(
-            best=best, us=times[best] * 1e6, default_us=times[pa.DECODE_CONFIG] * 1e6,
+            best=best, us=times[best] * 1e6, default_us=default * 1e6,
             bw_fraction=nbytes / times[best] / copy_bw,
+            default_bw_fraction=nbytes / default / copy_bw,
         )
         print(f"decode b={batch:4d} ctx=1024  best {best}  {times[best] * 1e6:8.1f} us  "
               f"{nbytes / times[best] / 1e12:5.2f} TB/s = {results[batch]['bw_fraction']:.2f}"
@@ -123,9 +125,9 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
     scales = torch.ones(slots, device="cuda")
     shrinks = {"qkv": (3 * RANK, HIDDEN), "gate_up": (2 * RANK, HIDDEN), "o": (RANK, HIDDEN),
                "down": (RANK, INTER)}
-    expands = {"q/o/down": HIDDEN, "k/v": KVH * D, "gate/up": INTER}
-    shrink_cfgs = list(itertools.product([16, 32], [256, 512, 1024], [2, 4, 8], [1, 2, 3]))
-    expand_cfgs = list(itertools.product([64, 128, 256], [16], [2, 4, 8], [1, 2]))
+    expands = {"o/down": (HIDDEN,), "qkv": (HIDDEN, KVH * D, KVH * D), "gate_up": (INTER, INTER)}
+    shrink_cfgs = list(itertools.product([4, 8, 16], [1024, 2048], [4, 8], [1, 3]))
+    expand_cfgs = list(itertools.product([64, 128, 256, 512], [16], [2, 4, 8], [1, 2]))
     if quick:
         shrink_cfgs, expand_cfgs = [bgmv.SHRINK_CONFIG], [bgmv.EXPAND_CONFIG]
     results = {}
@@ -136,33 +138,38 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
         times = {c: bench(partial(bgmv._launch, x, a, t, idx, None, c)) for c in shrink_cfgs}
         best = min(times, key=times.get)
         nbytes = a.nbytes + x.nbytes + t.nbytes
+        default = bench(partial(bgmv.bgmv_shrink_triton, x, a, idx))
         results[f"shrink {name}"] = dict(best=best, us=times[best] * 1e6, bytes=nbytes,
-                                         default_us=times.get(bgmv.shrink_config(k), 0) * 1e6)
-    for name, n in expands.items():
+                                         default_us=default * 1e6)
+    for name, sizes in expands.items():
+        n = sum(sizes)
         b = torch.randn(slots, n, RANK, device="cuda", dtype=BF16) * 0.02
-        t = torch.randn(tokens, RANK, device="cuda", dtype=BF16)
+        t = torch.randn(tokens, RANK * len(sizes), device="cuda", dtype=BF16)
         y = torch.randn(tokens, n, device="cuda", dtype=BF16)
-        times = {c: bench(partial(bgmv._launch, t, b, y, idx, scales, c)) for c in expand_cfgs}
+        times = {c: bench(partial(bgmv._launch, t, b, y, idx, scales, c, sizes))
+                 for c in expand_cfgs}
         best = min(times, key=times.get)
         nbytes = b.nbytes + t.nbytes + 2 * y.nbytes
+        default = bench(partial(bgmv.bgmv_expand_slices_triton, y, t, b, sizes, idx, scales))
         results[f"expand {name}"] = dict(best=best, us=times[best] * 1e6, bytes=nbytes,
-                                         default_us=times.get(bgmv.EXPAND_CONFIG, 0) * 1e6)
+                                         default_us=default * 1e6)
     for name, r in results.items():
         r["bw_fraction"] = r["bytes"] / (r["us"] * 1e-6) / copy_bw
         print(f"bgmv {name:16s} best {r['best']}  {r['us']:7.1f} us (default "
               f"{r['default_us']:7.1f})  {r['bw_fraction']:.2f} of copy", flush=True)
-    # One layer's 4 shrinks + 7 expands, each at its best config.
+    # One layer's 4 shrinks + 4 expands, each at its best config and at the defaults.
     layer = [("shrink qkv", 1), ("shrink gate_up", 1), ("shrink o", 1), ("shrink down", 1),
-             ("expand q/o/down", 3), ("expand k/v", 2), ("expand gate/up", 2)]
-    us = sum(results[n]["us"] * c for n, c in layer)
+             ("expand o/down", 2), ("expand qkv", 1), ("expand gate_up", 1)]
     nbytes = sum(results[n]["bytes"] * c for n, c in layer)
-    results["layer"] = dict(us=us, bw_fraction=nbytes / (us * 1e-6) / copy_bw)
-    print(f"bgmv one layer (11 launches) {us:7.1f} us, {results['layer']['bw_fraction']:.2f} "
-          "of copy", flush=True)
+    for key in ("us", "default_us"):
+        us = sum(results[n][key] * c for n, c in layer)
+        results[f"layer {key}"] = dict(us=us, bw_fraction=nbytes / (us * 1e-6) / copy_bw)
+        print(f"bgmv one layer (8 launches, {key}) {us:7.1f} us, "
+              f"{nbytes / (us * 1e-6) / copy_bw:.2f} of copy", flush=True)
     return results
 
 
-def step_profile(copy_bw: float) -> dict:
+def step_profile(copy_bw: float, unfused: bool) -> dict:
     """Decode steps of a 4-layer Llama-3-8B-shaped model with CUDA graphs, ctx 1024."""
     from engine.config import ModelConfig
     from engine.model_runner import ModelRunner
@@ -182,13 +189,12 @@ def step_profile(copy_bw: float) -> dict:
     for layer in slots.layers:
         for stack in layer.values():
             torch.nn.init.normal_(stack.a, 0, 0.02)
-            for b in stack.b:
-                torch.nn.init.normal_(b, 0, 0.02)
+            torch.nn.init.normal_(stack.b, 0, 0.02)
     slots.scales.fill_(1.0)
     lora = wrap_model(model, slots, lambda req: -1)
     weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
     results = {}
-    for fused_ops in (True, False):
+    for fused_ops in (True, False) if unfused else (True,):
         saved = (fused.rms_norm, fused.rope, fused.silu_mul)
         if not fused_ops:
             fused.rms_norm, fused.rope, fused.silu_mul = (
@@ -220,7 +226,8 @@ def step_profile(copy_bw: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="defaults only, no sweep")
+    parser.add_argument("--sweep", nargs="*", default=["decode", "prefill", "bgmv"])
+    parser.add_argument("--unfused", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -229,10 +236,10 @@ def main() -> None:
     print(report, flush=True)
     bw = report["copy_bw"] = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    report["decode"] = sweep_decode(bw, args.quick)
-    report["bgmv"] = sweep_bgmv(bw, args.quick)
-    report["prefill"] = sweep_prefill(args.quick)
-    report["step"] = step_profile(bw)
+    report["decode"] = sweep_decode(bw, "decode" not in args.sweep)
+    report["bgmv"] = sweep_bgmv(bw, "bgmv" not in args.sweep)
+    report["prefill"] = sweep_prefill("prefill" not in args.sweep)
+    report["step"] = step_profile(bw, args.unfused)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=str)
