@@ -59,8 +59,10 @@ class LoraBatchInfo:
         for n in seg_lens:
             indptr.append(indptr[-1] + n)
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
+        def tensor(values: list[int]) -> torch.Tensor:  # pinned: the upload does not wait
+            on_gpu = torch.device(device).type == "cuda"
+            host = torch.tensor(values, dtype=torch.int32, pin_memory=on_gpu)
+            return host.to(device, non_blocking=True)
 
         return cls(
             token_slots=tensor(token_slots),
