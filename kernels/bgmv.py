@@ -9,8 +9,8 @@ padding and fused projections are as in `kernels.sgmv`:
 One Triton kernel serves shrink and expand (`out[i] (+)= scale * W[slot_i] @ in[i]`); each
 program is one token x one tile of output columns. A fused projection's expand (`[q|k|v]`,
 `[gate|up]`) is one launch over all its output columns, each column reading its own slice of
-`t` (`bgmv_expand_slices`). The torch path (CPU) sorts the tokens by
-slot once and does one matmul per adapter present, never a Python loop per token.
+`t` (`bgmv_expand_slices`). The torch path (CPU) sorts the tokens by slot once and does one
+matmul per adapter present, never a Python loop per token.
 """
 
 from __future__ import annotations
