@@ -148,17 +148,16 @@ def lora_kernel(s: Section, cfg, bw: float, batch: int = 64) -> None:
     for layer in slots.layers:
         for stack in layer.values():
             stack.a.normal_(0, stack.a.shape[2] ** -0.5)
-            for b in stack.b:
-                b.normal_(0, 0.02)
+            stack.b.normal_(0, 0.02)
     slots.scales.fill_(2.0)
     info = LoraBatchInfo.build(list(range(batch)), [1] * batch, "cuda")
     assert not info.use_sgmv
     xs = {f: torch.randn(batch, slots.layers[0][f].a.shape[2], device="cuda",
                          dtype=torch.bfloat16) for f in FUSED}
-    ys = {f: torch.randn(batch, sum(b.shape[1] for b in slots.layers[0][f].b), device="cuda",
+    ys = {f: torch.randn(batch, slots.layers[0][f].b.shape[1], device="cuda",
                          dtype=torch.bfloat16) for f in FUSED}
     nbytes = sum(t.numel() * t.element_size() for layer in slots.layers
-                 for stack in layer.values() for t in (stack.a, *stack.b))
+                 for stack in layer.values() for t in (stack.a, stack.b))
     nbytes += small.num_layers * sum(x.numel() * 2 + 2 * y.numel() * 2
                                      for x, y in zip(xs.values(), ys.values(), strict=True))
 

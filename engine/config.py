@@ -105,6 +105,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode-only steps
     threads: int | None = None  # torch CPU threads; None leaves torch's default
     # Multi-LoRA: adapters resident in device slots (0: base model only), in host memory, the
     # slot width (every adapter's rank must fit), and the upload store (None: no uploads).

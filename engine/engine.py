@@ -69,7 +69,9 @@ class LLMEngine:
             cache=self.prefix_cache,
         )
         self.runner = ModelRunner(
-            self.model, num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora
+            self.model, num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora,
+            cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
+            max_model_len=self.max_model_len,
         )
         self._requests: dict[str, Request] = {}
 

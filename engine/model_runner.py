@@ -1,18 +1,21 @@
 """Turns a scheduled `Batch` into tensors, runs one forward over all its tokens, samples.
 
 This is the only engine module that builds tensors from the scheduler's lists. Tokens are laid
-out decodes first (one query each, attended in one batched call), then prefill chunks.
+out decodes first (one query each, attended in one batched call), then prefill chunks. On CUDA
+a decode-only step replays a captured graph (`engine.cuda_graphs`); index tensors go up from
+pinned memory without waiting, so the one host sync of a step is reading the sampled tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import Batch, ScheduledSeq
 from engine.structured import GrammarStage
-from kernels.attention import AttentionMetadata, PrefillSeq
+from kernels.attention import AttentionMetadata
 from lora.layers import LoraContext
 
 
@@ -25,15 +28,21 @@ class ModelRunner:
         seed: int = 0,
         grammar: GrammarStage | None = None,
         lora: LoraContext | None = None,
+        cuda_graph_max_batch: int = 0,
+        max_model_len: int | None = None,
     ):
+        """`cuda_graph_max_batch > 0` on a CUDA model captures decode graphs for batches up to
+        that size and contexts up to `max_model_len` (default: the whole pool)."""
         self.model = model
         self.grammar = grammar
         self.lora = lora  # set when the model's projections are LoRA-wrapped
         self.page_size = page_size
         cfg = model.cfg
         w = model.embed_tokens.weight
-        shape = (num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeros, not empty: padded decode slots are read (with zero weight) and must be finite.
+        # One spare page past the pool: padded graph rows write their K/V there.
+        self.pad_page = num_pages
+        shape = ((num_pages + 1) * page_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeros, not empty: the CPU path reads padded slots (with zero weight); keep them finite.
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=w.dtype, device=w.device),
@@ -43,19 +52,28 @@ class ModelRunner:
         ]
         self.device = w.device
         self.sampler = Sampler(seed)
-        self._offsets = torch.arange(page_size, device=self.device)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_batch > 0 and self.device.type == "cuda":
+            max_pages = -(-(max_model_len or num_pages * page_size) // page_size)
+            self.graphs = DecodeGraphs(
+                model, self.kv_caches, page_size, self.pad_page, cuda_graph_max_batch,
+                min(max_pages, num_pages), lora,
+            )
+            self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[SampleResult]:
         """One forward for the whole batch; returns a sample for each seq with `samples`."""
         seqs = sorted(batch.seqs, key=self._layout)
-        input_ids, positions, meta, sample_rows = self._prepare(seqs)
         reqs = [s.request for s in seqs if s.samples]
         masks = self.grammar.start_fill(reqs) if self.grammar else None  # overlaps the forward
-        if self.lora is not None:
-            self.lora.begin_step([s.request for s in seqs], [s.num_new_tokens for s in seqs])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self._graph_logits(seqs)
+        if logits is None:
+            input_ids, positions, meta, sample_rows = self._prepare(seqs)
+            if self.lora is not None:
+                self.lora.begin_step([s.request for s in seqs], [s.num_new_tokens for s in seqs])
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden[sample_rows])
         GrammarStage.apply(logits, masks)
         samples = self.sampler(logits, reqs)
         by_req = dict(zip(reqs, samples, strict=True))
@@ -65,50 +83,83 @@ class ModelRunner:
         """Decodes first; within them, one run per adapter slot (SGMV segments, not BGMV)."""
         return s.num_new_tokens != 1, self.lora.slot_of(s.request) if self.lora else -1
 
-    def _slots(self, pages: list[int], num_tokens: int) -> torch.Tensor:
-        """Slots of a sequence's first `num_tokens` tokens."""
-        table = torch.tensor(pages[: -(-num_tokens // self.page_size)], device=self.device)
-        return (table.unsqueeze(1) * self.page_size + self._offsets).flatten()[:num_tokens]
+    def _graph_logits(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Logits of a decode-only step from a CUDA graph; None when no graph fits it."""
+        if self.graphs is None or any(s.num_new_tokens != 1 or not s.samples for s in seqs):
+            return None
+        tables = [self._pages(s.request.pages, s.start + 1) for s in seqs]
+        if not self.graphs.fits(len(seqs), max(len(t) for t in tables)):
+            return None
+        lora_slots = None
+        if self.lora is not None:
+            lora_slots = [self.lora.slot_of(s.request) for s in seqs]
+            if all(slot < 0 for slot in lora_slots):
+                lora_slots = None
+        return self.graphs.run(
+            [s.request.token_ids[s.start] for s in seqs],
+            [s.start for s in seqs],
+            [self._slot(s.request.pages, s.start) for s in seqs],
+            tables,
+            lora_slots,
+        )
+
+    def _pages(self, pages: list[int], num_tokens: int) -> list[int]:
+        """The pages holding a sequence's first `num_tokens` tokens."""
+        return pages[: -(-num_tokens // self.page_size)]
+
+    def _slot(self, pages: list[int], position: int) -> int:
+        return pages[position // self.page_size] * self.page_size + position % self.page_size
+
+    def _tensor(self, values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
 
     def _prepare(self, seqs: list[ScheduledSeq]):
+        """Input ids, positions, attention metadata and the sampled rows of an eager step."""
         ids: list[int] = []
         pos: list[int] = []
+        slots: list[int] = []
         sample_rows: list[int] = []
-        decode_ctx: list[torch.Tensor] = []
-        prefills: list[PrefillSeq] = []
-        slot_parts: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        prefill_tables: list[list[int]] = []
+        lens: list[int] = []
+        query_start = [0]
         for s in seqs:
             req, start, n = s.request, s.start, s.num_new_tokens
-            first = len(ids)
             ids.extend(req.token_ids[start : start + n])
             pos.extend(range(start, start + n))
+            slots.extend(self._slot(req.pages, p) for p in range(start, start + n))
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-            ctx = self._slots(req.pages, start + n)
-            slot_parts.append(ctx[start:])
+            table = self._pages(req.pages, start + n)
+            lens.append(start + n)
             if n == 1:
-                decode_ctx.append(ctx)
-            elif start == 0:
-                prefills.append(PrefillSeq(first, n, 0, None, None))
+                decode_tables.append(table)
             else:
-                q_pos = torch.arange(start, start + n, device=self.device).unsqueeze(1)
-                mask = torch.arange(start + n, device=self.device).unsqueeze(0) <= q_pos
-                prefills.append(PrefillSeq(first, n, start, ctx, mask))
-
-        decode_slots = decode_bias = None
-        if decode_ctx:
-            lens = torch.tensor([len(c) for c in decode_ctx], device=self.device)
-            decode_slots = torch.nn.utils.rnn.pad_sequence(decode_ctx, batch_first=True)
-            pad = torch.arange(decode_slots.shape[1], device=self.device) >= lens.unsqueeze(1)
-            dtype = self.kv_caches[0][0].dtype
-            decode_bias = torch.zeros(pad.shape, dtype=dtype, device=self.device)
-            decode_bias = decode_bias.masked_fill(pad, float("-inf"))[:, None, None, :]
+                prefill_tables.append(table)
+                query_start.append(query_start[-1] + n)
+        nd = len(decode_tables)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_parts),
-            num_decodes=len(decode_ctx),
-            decode_slots=decode_slots,
-            decode_bias=decode_bias,
-            prefills=prefills,
+            slot_mapping=self._tensor(slots, torch.long),
+            page_size=self.page_size,
+            num_decodes=nd,
+            decode_tables=self._tensor(_pad(decode_tables)),
+            decode_lens=self._tensor(lens[:nd]),
+            prefill_tables=self._tensor(_pad(prefill_tables)),
+            prefill_query_start=self._tensor(query_start),
+            prefill_lens=self._tensor(lens[nd:]),
+            max_prefill_len=max(
+                (b - a for a, b in zip(query_start, query_start[1:], strict=False)), default=0
+            ),
         )
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(pos), meta, as_tensor(sample_rows)
+        long = torch.long
+        ids_t, pos_t, rows_t = (self._tensor(x, long) for x in (ids, pos, sample_rows))
+        return ids_t, pos_t, meta, rows_t
+
+
+def _pad(tables: list[list[int]]) -> list[list[int]]:
+    """Rows padded with page 0 to one width (past each row's context: masked out)."""
+    width = max((len(t) for t in tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables]

@@ -82,7 +82,9 @@ class GrammarStage:
 
     def _fill(self, matchers: list[Any], rows: list[int], n: int):
         words = -(-self.vocab_size // 32)
-        bitmask = torch.full((n, words), -1, dtype=torch.int32)  # (rows, vocab / 32)
+        # Pinned where there is a GPU, so `apply` uploads it without waiting for the forward.
+        bitmask = torch.full((n, words), -1, dtype=torch.int32,
+                             pin_memory=torch.cuda.is_available())  # (rows, vocab / 32)
         for m, row in zip(matchers, rows, strict=True):
             m.fill_bitmask(bitmask, row)
         return bitmask, rows
@@ -93,7 +95,7 @@ class GrammarStage:
         if filled is None:
             return
         bitmask, rows = filled.result()
-        apply_token_bitmask_inplace(logits, bitmask.to(logits.device), rows)
+        apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), rows)
 
     # -- postprocess ----------------------------------------------------------------------
 

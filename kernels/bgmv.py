@@ -7,11 +7,16 @@ padding and fused projections are as in `kernels.sgmv`:
     a_stack: [num_slots, r_max, H]    b_stack: [num_slots, N, r_max]
 
 One Triton kernel serves shrink and expand (`out[i] (+)= scale * W[slot_i] @ in[i]`); each
-program is one token x one tile of output columns. The torch path (CPU) sorts the tokens by
-slot once and does one matmul per adapter present, never a Python loop per token.
+program is one token x one tile of output columns. A fused projection's expand (`[q|k|v]`,
+`[gate|up]`) is one launch over all its output columns, each column reading its own slice of
+`t` (`bgmv_expand_slices`). The torch path (CPU) sorts the tokens by slot once and does one
+matmul per adapter present, never a Python loop per token.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -38,6 +43,21 @@ def bgmv_expand(
         bgmv_expand_triton(y, t, b_stack, indices, scales, slice_offset)
     else:
         bgmv_expand_torch(y, t, b_stack, indices, scales, slice_offset)
+
+
+def bgmv_expand_slices(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    b_stack: torch.Tensor,
+    sizes: Sequence[int],
+    indices: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """`bgmv_expand` of every slice of a fused projection; one launch on CUDA."""
+    if y.is_cuda:
+        bgmv_expand_slices_triton(y, t, b_stack, sizes, indices, scales)
+    else:
+        bgmv_expand_slices_torch(y, t, b_stack, sizes, indices, scales)
 
 
 # --- torch reference / CPU path ------------------------------------------------------------
@@ -105,6 +125,33 @@ def bgmv_expand_torch(
     out.index_add_(0, order, delta)
 
 
+def bgmv_expand_slices_torch(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    b_stack: torch.Tensor,
+    sizes: Sequence[int],
+    indices: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """Expand the slices of a fused projection, each into its own columns of y.
+
+    Args:
+        y: [T, sum(sizes)]; t: [T, len(sizes) * R]; b_stack: [num_slots, sum(sizes), R].
+
+    Semantics:
+        offset = 0
+        for j, n in enumerate(sizes):
+            bgmv_expand(y, t[:, j * R : (j + 1) * R], b_stack[:, offset : offset + n],
+                        indices, scales, slice_offset=offset)
+            offset += n
+    """
+    offset, rank = 0, b_stack.shape[2]
+    for j, n in enumerate(sizes):
+        b = b_stack.narrow(1, offset, n)
+        bgmv_expand_torch(y, t[:, j * rank : (j + 1) * rank], b, indices, scales, offset)
+        offset += n
+
+
 def group_by_slot(indices: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """Rows of the tokens that have an adapter, sorted by slot, and each slot's run in them.
 
@@ -128,9 +175,8 @@ def bgmv_shrink_triton(
     x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
     """Same contract as `bgmv_shrink_torch`."""
-    t = x.new_zeros(x.shape[0], a_stack.shape[1])  # (num_tokens, rank)
-    # Shrink is a long-K product: wide K tiles (H100 sweep, bf16, H=4096, r=16: 12.7 -> 6.4 us).
-    _launch(x, a_stack, t, indices, None, block_n=16, block_k=512)
+    t = x.new_empty(x.shape[0], a_stack.shape[1])  # (num_tokens, rank); base rows get zeros
+    _launch(x, a_stack, t, indices, None, SHRINK_CONFIG)
     return t
 
 
@@ -144,7 +190,28 @@ def bgmv_expand_triton(
 ) -> None:
     """Same contract as `bgmv_expand_torch`."""
     out = y.narrow(1, slice_offset, b_stack.shape[1])  # (num_tokens, N) view
-    _launch(t, b_stack, out, indices, scales, block_n=128, block_k=64)
+    _launch(t, b_stack, out, indices, scales, EXPAND_CONFIG)
+
+
+def bgmv_expand_slices_triton(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    b_stack: torch.Tensor,
+    sizes: Sequence[int],
+    indices: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """Same contract as `bgmv_expand_slices_torch` (up to three slices)."""
+    _launch(t, b_stack, y, indices, scales, EXPAND_CONFIG, sizes)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages). Shrink is a long-K, narrow-N product (K = hidden
+# or intermediate, N = slices x rank): 4-row tiles give 4x more programs than 16-row ones, so
+# the waves even out. Expand is short-K (K = rank). H100 sweep in `kernels.tune` (bf16, batch
+# 64, a distinct rank-16 adapter per token), one layer's 4 shrinks + 4 expands: 174 -> 132 us,
+# 0.46 of the copy bandwidth; fusing the slices' expands took q/k/v from 23 to 12 us.
+SHRINK_CONFIG = (4, 1024, 8, 1)
+EXPAND_CONFIG = (256, 16, 4, 1)
 
 
 def _launch(
@@ -153,16 +220,20 @@ def _launch(
     out: torch.Tensor,
     indices: torch.Tensor,
     scales: torch.Tensor | None,
-    block_n: int,
-    block_k: int,
+    config: tuple[int, int, int, int],
+    sizes: Sequence[int] = (),
 ) -> None:
     """out[i] (+)= scale * w[indices[i]] @ inp[i]. inp: [T, K], w: [num_slots, N, K],
-    out: [T, N] (strided views allowed)."""
+    out: [T, N] (strided views allowed). Without scales (shrink) base rows are set to 0.
+    With `sizes` (output slices, summing to N), slice j reads inp[:, j * K : (j + 1) * K]."""
     num_tokens, (n, k) = inp.shape[0], w.shape[1:]
     if num_tokens == 0:
         return
+    assert len(sizes) <= 3, "at most three slices ([q|k|v])"
+    bounds = list(itertools.accumulate(sizes))[:-1] + [n] * (3 - len(sizes))  # slice ends
+    block_n, block_k, num_warps, num_stages = config
     block_n = min(block_n, triton.next_power_of_2(n))
-    block_k = min(block_k, triton.next_power_of_2(k))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     grid = (num_tokens, triton.cdiv(n, block_n))
     _bgmv_kernel[grid](
         inp,
@@ -172,6 +243,8 @@ def _launch(
         scales if scales is not None else inp,
         n,
         k,
+        bounds[0],
+        bounds[1],
         inp.stride(0),
         inp.stride(1),
         w.stride(0),
@@ -180,8 +253,11 @@ def _launch(
         out.stride(0),
         out.stride(1),
         ACCUMULATE=scales is not None,
+        SLICED=len(sizes) > 1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -194,6 +270,8 @@ def _bgmv_kernel(
     scales_ptr,
     N,
     K,
+    END0,
+    END1,
     s_in_t,
     s_in_k,
     s_w_slot,
@@ -202,29 +280,40 @@ def _bgmv_kernel(
     s_out_t,
     s_out_n,
     ACCUMULATE: tl.constexpr,
+    SLICED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     # One program: one token x BLOCK_N output columns; a matrix-vector product, so no tl.dot.
     tok, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(idx_ptr + tok)
-    if slot < 0:
-        return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
+    out_ptrs = out_ptr + tok * s_out_t + cols * s_out_n
+    if slot < 0:  # base row: expand leaves it alone, shrink writes zeros
+        if not ACCUMULATE:
+            tl.store(out_ptrs, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=col_ok)
+        return
     w_base = w_ptr + slot.to(tl.int64) * s_w_slot
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    in_row = in_ptr + tok * s_in_t
+    if SLICED:  # column c reads the slice of inp that its output slice owns
+        slice_idx = (cols >= END0).to(tl.int32) + (cols >= END1).to(tl.int32)
+        in_row += slice_idx[:, None] * K * s_in_k
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
-        v = tl.load(in_ptr + tok * s_in_t + (k0 + ks) * s_in_k, mask=k_ok, other=0.0)
         w = tl.load(
             w_base + cols[:, None] * s_w_n + (k0 + ks)[None, :] * s_w_k,
             mask=col_ok[:, None] & k_ok[None, :],
             other=0.0,
         )  # (BLOCK_N, BLOCK_K)
-        acc += tl.sum(w.to(tl.float32) * v.to(tl.float32)[None, :], axis=1)
-    out_ptrs = out_ptr + tok * s_out_t + cols * s_out_n
+        if SLICED:
+            v = tl.load(in_row + (k0 + ks)[None, :] * s_in_k, mask=k_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * v.to(tl.float32), axis=1)
+        else:
+            v = tl.load(in_row + (k0 + ks) * s_in_k, mask=k_ok, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * v.to(tl.float32)[None, :], axis=1)
     if ACCUMULATE:
         scale = tl.load(scales_ptr + slot)
         acc = tl.load(out_ptrs, mask=col_ok, other=0.0).to(tl.float32) + acc * scale

@@ -58,7 +58,8 @@ def apply_token_bitmask_inplace_triton(
     if indices is None:
         rows, num_rows = logits, batch  # a placeholder pointer; HAS_INDICES is off
     else:
-        rows = torch.tensor(indices, dtype=torch.int32, device=logits.device)
+        host = torch.tensor(indices, dtype=torch.int32, pin_memory=logits.is_cuda)
+        rows = host.to(logits.device, non_blocking=True)  # no wait on the forward
         num_rows = len(indices)
     if num_rows == 0:
         return

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.bgmv import bgmv_expand, bgmv_shrink
+from kernels.bgmv import bgmv_expand, bgmv_expand_slices, bgmv_shrink
 from kernels.sgmv import sgmv_expand, sgmv_shrink
 
 
@@ -59,8 +59,10 @@ class LoraBatchInfo:
         for n in seg_lens:
             indptr.append(indptr[-1] + n)
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
+        def tensor(values: list[int]) -> torch.Tensor:  # pinned: the upload does not wait
+            on_gpu = torch.device(device).type == "cuda"
+            host = torch.tensor(values, dtype=torch.int32, pin_memory=on_gpu)
+            return host.to(device, non_blocking=True)
 
         return cls(
             token_slots=tensor(token_slots),
@@ -109,18 +111,23 @@ def lora_expand(
 def lora_expand_slices(
     y: torch.Tensor,
     t: torch.Tensor,
-    b_stacks: Sequence[torch.Tensor],
+    b_stack: torch.Tensor,
+    sizes: Sequence[int],
     scales: torch.Tensor,
     info: LoraBatchInfo,
 ) -> None:
-    """Expand a fused projection: slice j reads `t[:, j * r_max : (j + 1) * r_max]` and adds
-    into the output columns after slices 0..j-1 (`[q|k|v]` or `[gate|up]`).
+    """Expand a fused projection: slice j (rows `sum(sizes[:j]) :` of B, `sizes[j]` of them)
+    reads `t[:, j * r_max : (j + 1) * r_max]` and adds into the same output columns of y
+    (`[q|k|v]` or `[gate|up]`). BGMV does every slice in one launch.
 
     Args:
-        y: [T, sum(N_j)]; t: [T, len(b_stacks) * r_max]; b_stacks[j]: [num_slots, N_j, r_max].
+        y: [T, sum(sizes)]; t: [T, len(sizes) * r_max]; b_stack: [num_slots, sum(sizes), r_max].
     """
-    offset = 0
-    for j, b_stack in enumerate(b_stacks):
-        r_max = b_stack.shape[2]
-        lora_expand(y, t[:, j * r_max : (j + 1) * r_max], b_stack, scales, info, offset)
-        offset += b_stack.shape[1]
+    if not info.use_sgmv:
+        bgmv_expand_slices(y, t, b_stack, sizes, info.token_slots, scales)
+        return
+    offset, r_max = 0, b_stack.shape[2]
+    for j, n in enumerate(sizes):
+        b = b_stack.narrow(1, offset, n)
+        lora_expand(y, t[:, j * r_max : (j + 1) * r_max], b, scales, info, offset)
+        offset += n

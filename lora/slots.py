@@ -2,10 +2,10 @@
 
 The base model fuses projections (`qkv_proj` rows `[q|k|v]`, `gate_up_proj` rows `[gate|up]`),
 so each layer keeps, per fused projection, one A stack with the slices' ranks side by side and
-one B stack per slice:
+one B stack with the slices' output rows one after another (as in the base weight):
 
     a: [num_slots, num_slices * r_max, in_features]
-    b[j]: [num_slots, out_features_j, r_max]
+    b: [num_slots, sum_j out_features_j, r_max]
 
 A slot holds one adapter; ranks below `r_max` and projections the adapter does not target are
 zeros, which add nothing (see `kernels.sgmv`). `scales[slot]` is the adapter's alpha / r; a
@@ -39,7 +39,8 @@ class ProjectionSlots:
     """Stacked LoRA weights of one (fused) projection of one layer."""
 
     a: torch.Tensor  # (num_slots, num_slices * r_max, in_features)
-    b: tuple[torch.Tensor, ...]  # per slice: (num_slots, out_features_j, r_max)
+    b: torch.Tensor  # (num_slots, sum(sizes), r_max), slice j's rows after slices 0..j-1
+    sizes: tuple[int, ...]  # out_features of each slice
 
 
 class LoraSlots:
@@ -63,7 +64,8 @@ class LoraSlots:
             {
                 fused: ProjectionSlots(
                     a=zeros(num_slots, len(parts) * max_rank, dims[parts[0]][0]),
-                    b=tuple(zeros(num_slots, dims[p][1], max_rank) for p in parts),
+                    b=zeros(num_slots, sum(dims[p][1] for p in parts), max_rank),
+                    sizes=tuple(dims[p][1] for p in parts),
                 )
                 for fused, parts in FUSED.items()
             }
@@ -82,21 +84,21 @@ class LoraSlots:
         for layer, modules in zip(self.layers, adapter.layers, strict=True):
             for fused, parts in FUSED.items():
                 stack = layer[fused]
+                row = 0
                 for j, part in enumerate(parts):
-                    m = modules.get(part)
-                    if m is None:
-                        continue
-                    r = m.rank
-                    stack.a[slot, j * r_max : j * r_max + r].copy_(m.a)
-                    stack.b[j][slot, :, :r].copy_(m.b * (m.scale / adapter.scale))
+                    m, rows = modules.get(part), stack.sizes[j]
+                    if m is not None:
+                        r = m.rank
+                        stack.a[slot, j * r_max : j * r_max + r].copy_(m.a)
+                        stack.b[slot, row : row + rows, :r].copy_(m.b * (m.scale / adapter.scale))
+                    row += rows
         self.scales[slot] = adapter.scale
 
     def clear(self, slot: int) -> None:
         for layer in self.layers:
             for stack in layer.values():
                 stack.a[slot].zero_()
-                for b in stack.b:
-                    b[slot].zero_()
+                stack.b[slot].zero_()
         self.scales[slot] = 0.0
 
     def apply(
@@ -113,4 +115,4 @@ class LoraSlots:
             return
         stack = self.layers[layer][fused]
         t = lora_shrink(x, stack.a, info)  # (num_tokens, num_slices * r_max)
-        lora_expand_slices(y, t, stack.b, self.scales, info)
+        lora_expand_slices(y, t, stack.b, stack.sizes, self.scales, info)

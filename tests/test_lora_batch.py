@@ -43,7 +43,7 @@ def test_sgmv_and_bgmv_paths_agree():
         i = dataclasses.replace(info, use_sgmv=use_sgmv)
         t = lora_shrink(x, a, i)  # (15, 3 slices x rank 8)
         y = torch.zeros(15, 60)
-        lora_expand_slices(y, t, [b, b2, b], scales, i)
+        lora_expand_slices(y, t, torch.cat([b, b2, b], dim=1), (20, 12, 20), scales, i)
         lora_expand(y, t[:, :8], b2, scales, i, slice_offset=48)
         results.append(y)
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)

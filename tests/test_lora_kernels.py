@@ -176,6 +176,31 @@ def test_torch_matches_token_loop(kind, dtype, rank, dist):
     assert torch.equal(y[base_rows].cpu(), y0[base_rows].cpu())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dist", ["distinct", "uniform"])
+def test_bgmv_expand_slices(triton_ready, dtype, dist):
+    """One launch over a fused [q|k|v]-like output equals one expand per slice."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"slices{dtype}{dist}".encode()))
+    rank, sizes = 16, (40, 24, 8)
+    b = (torch.randn(NUM_SLOTS, sum(sizes), rank, generator=gen) / rank**0.5).to(DEVICE, dtype)
+    t = torch.randn(DECODES, 3 * rank, generator=gen).to(DEVICE, dtype)
+    y = torch.randn(DECODES, sum(sizes), generator=gen).to(DEVICE, dtype)
+    idx = torch.tensor(slots_for(dist, DECODES, gen), dtype=torch.int32, device=DEVICE)
+    scales = (torch.rand(NUM_SLOTS, generator=gen) + 0.5).to(DEVICE)
+    y_tri, y_ref = y.clone(), y.clone()
+    bgmv.bgmv_expand_slices_triton(y_tri, t, b, sizes, idx, scales)
+    bgmv.bgmv_expand_slices_torch(y_ref, t, b, sizes, idx, scales)
+    assert_close(y_tri, y_ref, dtype)
+    expected = y.clone()
+    offset = 0
+    for j, n in enumerate(sizes):
+        part = loop_expand(y[:, offset : offset + n], t[:, j * rank : (j + 1) * rank],
+                           b[:, offset : offset + n], idx, scales, 0)
+        expected[:, offset : offset + n] = part.to(dtype)
+        offset += n
+    assert_close(y_ref, expected, dtype)
+
+
 def test_padding_to_max_rank_changes_nothing():
     """A rank-4 adapter stored in a rank-64 slot gives the unpadded product."""
     gen = torch.Generator().manual_seed(0)

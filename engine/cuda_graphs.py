@@ -1,0 +1,139 @@
+"""CUDA graphs of the decode forward (embedding to fp32 logits), one per captured batch size.
+
+A decode-only step of `n` sequences replays the graph of the smallest captured size `b >= n`.
+Every input lives in a static buffer the graph was captured on; rows `n..b` are padding: token
+0 at position 0, its K/V written to the runner's spare pad page, its logits ignored. With LoRA,
+each size has a second graph whose projections run BGMV over the static per-token slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.llama import LlamaForCausalLM
+from kernels.attention import AttentionMetadata
+from lora.batch import LoraBatchInfo
+from lora.layers import LoraContext
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to 128 and every 32 beyond, capped at `max_batch`."""
+    sizes = [1, 2, 4, 8] + list(range(16, 129, 16)) + list(range(160, max_batch + 1, 32))
+    return sorted({min(s, max_batch) for s in sizes})
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        page_size: int,
+        pad_page: int,
+        max_batch: int,
+        max_pages_per_seq: int,
+        lora: LoraContext | None,
+    ):
+        self.model, self.kv_caches, self.lora = model, kv_caches, lora
+        self.page_size, self.pad_page = page_size, pad_page
+        self.sizes = capture_sizes(max_batch)
+        self.max_pages = max_pages_per_seq
+        device = model.embed_tokens.weight.device
+        b = self.sizes[-1]
+
+        def buf(*shape, dtype=torch.int32, fill=0):
+            return torch.full(shape, fill, dtype=dtype, device=device)
+
+        self.input_ids = buf(b, dtype=torch.long)
+        self.positions = buf(b, dtype=torch.long)
+        self.slot_mapping = buf(b, dtype=torch.long, fill=pad_page * page_size)
+        self.tables = buf(b, max_pages_per_seq, fill=pad_page)
+        self.lens = buf(b, fill=1)
+        self.token_slots = buf(b, fill=-1)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def fits(self, num_seqs: int, max_pages: int) -> bool:
+        return num_seqs <= self.sizes[-1] and max_pages <= self.max_pages
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        variants = (False, True) if self.lora is not None else (False,)
+        for b in reversed(self.sizes):
+            for with_lora in variants:
+                self._set_lora(b, with_lora)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up: compiles kernels, outside capture
+                    self._forward(b)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(b)
+                self.graphs[(b, with_lora)] = (graph, logits)
+        if self.lora is not None:
+            self.lora.info = None
+        torch.cuda.synchronize()
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        lora_slots: list[int] | None,
+    ) -> torch.Tensor:
+        """Replay for one decode-only step of `n = len(input_ids)` sequences; `tables[i]` holds
+        sequence i's pages covering its context. Returns fp32 logits [n, vocab] (a view of the
+        graph's output, valid until the next replay)."""
+        n = len(input_ids)
+        b = next(s for s in self.sizes if s >= n)
+        pad = b - n
+        width = max(len(t) for t in tables)
+        flat = [p for t in tables for p in t + [0] * (width - len(t))]
+        flat += [self.pad_page] * (pad * width)
+        lens = [pos + 1 for pos in positions] + [1] * pad
+
+        def put(dst: torch.Tensor, values: list[int]) -> None:
+            src = torch.tensor(values, dtype=dst.dtype, pin_memory=True)
+            dst.copy_(src.view(dst.shape), non_blocking=True)
+
+        put(self.input_ids[:b], input_ids + [0] * pad)
+        put(self.positions[:b], positions + [0] * pad)
+        put(self.slot_mapping[:b], slots + [self.pad_page * self.page_size] * pad)
+        put(self.tables[:b, :width], flat)
+        put(self.lens[:b], lens)
+        with_lora = lora_slots is not None
+        if with_lora:
+            put(self.token_slots[:b], lora_slots + [-1] * pad)
+        graph, logits = self.graphs[(b, with_lora)]
+        graph.replay()
+        return logits[:n]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        empty = self.lens[:0]
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b],
+            page_size=self.page_size,
+            num_decodes=b,
+            decode_tables=self.tables[:b],
+            decode_lens=self.lens[:b],
+            prefill_tables=self.tables[:0],
+            prefill_query_start=empty,
+            prefill_lens=empty,
+            max_prefill_len=0,
+        )
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    def _set_lora(self, b: int, with_lora: bool) -> None:
+        """The LoRA wrappers read `lora.info` while being captured: BGMV over the static slots
+        (segments would make the grid depend on the batch's adapters), or none."""
+        if self.lora is None:
+            return
+        empty = self.token_slots[:0]
+        self.lora.info = (
+            LoraBatchInfo(self.token_slots[:b], empty, empty, 0, use_sgmv=False, has_lora=True)
+            if with_lora
+            else None
+        )

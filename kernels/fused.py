@@ -1,0 +1,152 @@
+"""Fused elementwise stages of the decoder layer: RMSNorm, RoPE on q and k, SiLU-and-mul.
+
+Each is one Triton kernel on CUDA in place of the several torch kernels of its reference; in
+a decode step these tensors are small, so the separate launches, not the bytes, were the cost
+(measured in `kernels.tune`). The torch references are the CPU path and keep HF's rounding
+points; the kernels compute in fp32 and round once, so bf16 results may differ by one ulp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, N] -> weight * (x / rms(x)), normalised in fp32 (as HF's LlamaRMSNorm)."""
+    fn = rms_norm_triton if x.is_cuda else rms_norm_torch
+    return fn(x, weight, eps)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary embedding of q [T, H, D] and k [T, KVH, D]; cos, sin: [T, 1, D // 2] (HF's
+    half-rotation layout). Returns (q, k); the Triton path rotates them in place."""
+    fn = rope_triton if q.is_cuda else rope_torch
+    return fn(q, k, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 * I] (columns [gate | up]) -> silu(gate) * up, [T, I]."""
+    fn = silu_mul_triton if gate_up.is_cuda else silu_mul_torch
+    return fn(gate_up)
+
+
+# --- torch references / CPU path -----------------------------------------------------------
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Semantics: weight * (x.float() * rsqrt(mean(x.float() ** 2, -1) + eps)).to(x.dtype)"""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Semantics, for x in (q, k): x1, x2 = halves of x's last axis;
+    x <- cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)."""
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: gate, up = gate_up.chunk(2, -1); silu(gate) * up"""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# --- Triton ---------------------------------------------------------------------------------
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `rms_norm_torch`; one program per row."""
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    n = x.shape[-1]
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x.shape[0],)](
+        x, weight, out, x.stride(0), out.stride(0), n, eps,
+        BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return out
+
+
+def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Same contract as `rope_torch`, rotating q and k in place (strided views are fine)."""
+    half = q.shape[2] // 2
+    _rope_kernel[(q.shape[0],)](
+        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos.stride(0), sin.stride(0), half,
+        H=q.shape[1], KVH=k.shape[1], H_PAD=triton.next_power_of_2(q.shape[1]),
+        KVH_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+    return q, k
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """Same contract as `silu_mul_torch`."""
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(tokens, inter)
+    block = 1024
+    _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_out, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * s_x + cols, mask=ok, other=0.0)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+    h = (h * rstd).to(x.dtype).to(tl.float32)  # HF rounds to x's dtype before the weight
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * s_out + cols, (w * h).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_rotate(ptr, cos, sin, s_h, n_heads, HALF, N_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    heads = tl.arange(0, N_PAD)
+    d = tl.arange(0, HALF_PAD)
+    mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
+    p1 = ptr + heads[:, None] * s_h + d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(p1, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(p1 + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, s_q_t, s_q_h, s_k_t, s_k_h, s_cos, s_sin, HALF,
+    H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    # One program: every q and k head of one token.
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)
+    cos = tl.load(cos_ptr + t * s_cos + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + t * s_sin + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    _rope_rotate(q_ptr + t * s_q_t, cos, sin, s_q_h, H, HALF, H_PAD, HALF_PAD)
+    _rope_rotate(k_ptr + t * s_k_t, cos, sin, s_k_h, KVH, HALF, KVH_PAD, HALF_PAD)
+
+
+@triton.jit
+def _silu_mul_kernel(in_ptr, out_ptr, s_in, s_out, INTER, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < INTER
+    gate = tl.load(in_ptr + t * s_in + cols, mask=ok, other=0.0)
+    up = tl.load(in_ptr + t * s_in + INTER + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # torch rounds silu first
+    tl.store(out_ptr + t * s_out + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=ok)

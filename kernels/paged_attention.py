@@ -1,0 +1,366 @@
+"""Paged attention kernels (Triton) beside their torch references.
+
+The KV cache of one layer is two slot arrays `[num_pages * page_size, kv_heads, head_dim]`; a
+sequence's context is the slots of its pages in `block_tables` order (token `j` sits in slot
+`table[j // page_size] * page_size + j % page_size`). The step's own K/V are already written
+there, so both kernels read every key from the cache.
+
+- decode: one query token per sequence, its context split over `num_splits` programs per KV
+  head (flash-decoding), the `heads // kv_heads` query heads of a KV head sharing each K/V load;
+  a second kernel merges the splits. The grid depends only on the batch size, so a CUDA graph
+  captured for one batch size replays for any context lengths, and a padded graph batch adds
+  up the same splits as an eager one of its size.
+- prefill / extend: a chunk of new tokens attends causally to its cached context and itself;
+  one program per (query block, head, sequence).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Decode: (BLOCK_N, num_warps, num_stages, waves of programs the splits aim for), for small
+# and large batches (x KV heads); prefill: (BLOCK_M, BLOCK_N, num_warps, num_stages). From the
+# H100 sweep in `kernels.tune` (8B shapes, 1k contexts): 0.82 of copy bandwidth at batch 64.
+DECODE_CONFIG = (64, 4, 3, 4)
+DECODE_CONFIG_LARGE = (32, 4, 2, 4)  # batch x KV heads >= 256
+PREFILL_CONFIG = (64, 32, 4, 2)  # 170-200 TFLOP/s at 2k-token prompts
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, page_size, scale, out) -> None:
+    """Decode attention into `out`. Triton on CUDA, the torch reference elsewhere."""
+    fn = paged_decode_triton if q.is_cuda else paged_decode_torch
+    fn(q, k_cache, v_cache, block_tables, seq_lens, page_size, scale, out)
+
+
+def paged_prefill(
+    q, k_cache, v_cache, block_tables, query_start, seq_lens, max_query_len, page_size, scale, out
+) -> None:
+    """Prefill / extend attention into `out`. Triton on CUDA, the torch reference elsewhere."""
+    fn = paged_prefill_triton if q.is_cuda else paged_prefill_torch
+    fn(q, k_cache, v_cache, block_tables, query_start, seq_lens, max_query_len, page_size, scale,
+       out)
+
+
+# --- torch reference / CPU path ------------------------------------------------------------
+
+
+def context_slots(block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[S, P] page ids -> [S, P * page_size] slot ids, token order."""
+    offsets = torch.arange(page_size, device=block_tables.device)
+    return (block_tables.long().unsqueeze(2) * page_size + offsets).flatten(1)
+
+
+def paged_decode_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One query per sequence against its paged context, written into `out`.
+
+    Args:
+        q: [B, H, D]; k_cache, v_cache: [num_slots, KVH, D], H a multiple of KVH.
+        block_tables: [B, P] int page ids; seq_lens: [B] int context lengths (1..P * page_size).
+        out: [B, H, D], every element overwritten (a strided view is fine).
+
+    Semantics:
+        for b in range(B):
+            slots = [table[b][j // page_size] * page_size + j % page_size
+                     for j in range(seq_lens[b])]
+            for h in range(H):
+                kvh = h // (H // KVH)
+                p = softmax(scale * k_cache[slots, kvh] @ q[b, h])
+                out[b, h] = p @ v_cache[slots, kvh]
+    """
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    slots = context_slots(block_tables, page_size)  # (B, L)
+    kd = k_cache[slots].permute(0, 2, 3, 1)  # (B, KVH, D, L)
+    vd = v_cache[slots].transpose(1, 2)  # (B, KVH, L, D)
+    pad = torch.arange(slots.shape[1], device=q.device) >= seq_lens.unsqueeze(1)  # (B, L)
+    bias = torch.zeros(pad.shape, dtype=q.dtype, device=q.device).masked_fill(pad, -torch.inf)
+    qd = q.view(batch, kv_heads, heads // kv_heads, dim)  # (B, KVH, G, D)
+    scores = torch.matmul(qd, kd) * scale + bias[:, None, None, :]  # (B, KVH, G, L)
+    out.copy_(torch.matmul(torch.softmax(scores, dim=-1), vd).view(batch, heads, dim))
+
+
+def paged_prefill_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    page_size: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """New tokens attending causally to their cached context and to themselves, into `out`.
+
+    Args:
+        q: [T, H, D], sequence s's queries are rows `query_start[s]:query_start[s + 1]`.
+        k_cache, v_cache: [num_slots, KVH, D]; block_tables: [S, P] int page ids.
+        query_start: [S + 1] int; seq_lens: [S] int, context length including the new tokens.
+        max_query_len: the longest chunk (sizes the Triton grid; unused here).
+        out: [T, H, D], every element overwritten (a strided view is fine).
+
+    Semantics:
+        for s in range(S):
+            n, ctx = query_start[s + 1] - query_start[s], seq_lens[s]
+            for i in range(n):  # query i sits at position ctx - n + i
+                out[query_start[s] + i] = decode attention over the first ctx - n + i + 1
+                                          tokens of sequence s
+    """
+    group = q.shape[1] // k_cache.shape[1]
+    slots = context_slots(block_tables, page_size)
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    for s, ctx in enumerate(lens):
+        start, end = starts[s], starts[s + 1]
+        qs = q[start:end].transpose(0, 1)  # (H, n, D)
+        ks = k_cache[slots[s, :ctx]].transpose(0, 1)  # (KVH, ctx, D)
+        vs = v_cache[slots[s, :ctx]].transpose(0, 1)
+        mask = None  # nothing cached: plain causal
+        if ctx > end - start:
+            q_pos = torch.arange(ctx - (end - start), ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # (n, ctx)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )
+        out[start:end] = o.transpose(0, 1)
+
+
+# --- Triton ---------------------------------------------------------------------------------
+
+
+def paged_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    out: torch.Tensor,
+    config: tuple[int, int, int, int] | None = None,
+) -> None:
+    """Same contract as `paged_decode_torch`."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    if config is None:
+        config = DECODE_CONFIG_LARGE if batch * kv_heads >= 256 else DECODE_CONFIG
+    block_n, num_warps, num_stages, waves = config
+    splits = num_splits(batch * kv_heads, waves, q.device)
+    part_o = q.new_empty(batch, heads, splits, dim, dtype=torch.float32)
+    part_ml = q.new_empty(batch, heads, splits, 2, dtype=torch.float32)  # running max, sum
+    if batch == 0:
+        return
+    common = dict(
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim,
+        D_PAD=max(16, triton.next_power_of_2(dim)),
+    )
+    _decode_split_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_ml, scale, splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        PAGE=page_size, BLOCK_N=block_n, UPCAST=_interpreted(),
+        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages, **common,
+    )
+    _decode_merge_kernel[(batch, heads)](
+        part_o, part_ml, out, out.stride(0), out.stride(1),
+        SPLITS=splits, D=dim, D_PAD=common["D_PAD"], num_warps=4,
+    )
+
+
+def paged_prefill_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    page_size: int,
+    scale: float,
+    out: torch.Tensor,
+    config: tuple[int, int, int, int] = PREFILL_CONFIG,
+) -> None:
+    """Same contract as `paged_prefill_torch`."""
+    block_m, block_n, num_warps, num_stages = config
+    heads, dim = q.shape[1], q.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or max_query_len == 0:
+        return
+    grid = (triton.cdiv(max_query_len, block_m), heads, num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start, seq_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=heads // k_cache.shape[1], D=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
+        PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_interpreted(),
+        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def num_splits(programs: int, waves: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head): enough programs for `waves` waves over the device, a
+    power of two, at most 64. Splits past a short context's end return at once."""
+    target = waves * _num_sms(device)
+    return triton.next_power_of_2(max(1, min(-(-target // programs), 64)))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so the merge is exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _precision(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o_ptr, part_ml_ptr, scale, splits,
+    s_q_b, s_q_h, s_k_slot, s_k_h, s_v_slot, s_v_h, s_t_b,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One program: one sequence x one KV head (its G query heads) x one split of the context.
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok, d_ok = g < G, d < D
+    heads = kvh * G + g
+    q = tl.load(
+        q_ptr + b * s_q_b + heads[:, None] * s_q_h + d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # (G_PAD, D_PAD)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D_PAD), tl.float32)
+    table = tables_ptr + b.to(tl.int64) * s_t_b
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < hi
+        page = tl.load(table + pos // PAGE, mask=ok, other=0).to(tl.int64)
+        slot = page * PAGE + pos % PAGE
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * s_k_slot + kvh * s_k_h + d[None, :],
+                    mask=kv_mask, other=0.0)  # (BLOCK_N, D_PAD)
+        v = tl.load(v_ptr + slot[:, None] * s_v_slot + kvh * s_v_h + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BLOCK_N)
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    # Partials of an empty split: m = -inf, l = 0, acc = 0; the merge gives them weight 0.
+    row = (b * (G * tl.num_programs(1)) + heads) * splits + split  # (G_PAD,) in [B, H, splits]
+    tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(part_ml_ptr + row * 2, m, mask=g_ok)
+    tl.store(part_ml_ptr + row * 2 + 1, l_sum, mask=g_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_ml_ptr, out_ptr, s_o_b, s_o_h,
+    SPLITS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # One program: one (sequence, head); log-sum-exp merge of its splits.
+    b, h = tl.program_id(0), tl.program_id(1)
+    row = (b * tl.num_programs(1) + h) * SPLITS + tl.arange(0, SPLITS)
+    d = tl.arange(0, D_PAD)
+    m = tl.load(part_ml_ptr + row * 2)
+    l_sum = tl.load(part_ml_ptr + row * 2 + 1)
+    o = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # (SPLITS,)
+    acc = tl.sum(o * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+    tl.store(out_ptr + b * s_o_b + h * s_o_h + d, acc.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, qstart_ptr, lens_ptr, out_ptr, scale,
+    s_q_t, s_q_h, s_k_slot, s_k_h, s_v_slot, s_v_h, s_t_b, s_o_t, s_o_h,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One program: BLOCK_M queries of one sequence x one head (flash attention, causal).
+    pid_m, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q0 = tl.load(qstart_ptr + s)
+    num_q = tl.load(qstart_ptr + s + 1) - q0
+    if pid_m * BLOCK_M >= num_q:
+        return
+    ctx = tl.load(lens_ptr + s)
+    kvh = h // G
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_q
+    q_pos = ctx - num_q + rows  # (BLOCK_M,) absolute positions
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    q = tl.load(q_ptr + (q0 + rows)[:, None] * s_q_t + h * s_q_h + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, D_PAD)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    table = tables_ptr + s.to(tl.int64) * s_t_b
+    hi = tl.minimum(ctx, ctx - num_q + (pid_m + 1) * BLOCK_M)  # past the block's last query
+    for start in range(0, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < hi
+        page = tl.load(table + pos // PAGE, mask=ok, other=0).to(tl.int64)
+        slot = page * PAGE + pos % PAGE
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * s_k_slot + kvh * s_k_h + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * s_v_slot + kvh * s_v_h + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
+        # Key 0 is visible to every query, so each row's max is finite from the first block.
+        sc = tl.where(ok[None, :] & (pos[None, :] <= q_pos[:, None]), sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    acc = acc / l_sum[:, None]
+    tl.store(out_ptr + (q0 + rows)[:, None] * s_o_t + h * s_o_h + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _interpreted() -> bool:
+    """Triton's interpreter multiplies bf16 tiles in `tl.dot` as raw bits (see kernels.sgmv):
+    upcast there. On the GPU the dots take bf16 tiles and accumulate in fp32."""
+    return type(_prefill_kernel).__name__ == "InterpretedFunction"

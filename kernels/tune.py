@@ -1,0 +1,249 @@
+"""Kernel timing sweep on a CUDA device:
+`python -m kernels.tune [--sweep decode prefill bgmv] [--unfused] [--out tune.json]`.
+
+Measures the device-to-device copy bandwidth, then the paged-attention and BGMV kernels over a
+few configs each at Llama-3-8B shapes (bf16, 16-token pages, rank-16 adapters), reporting each
+as achieved bytes/s over the copy bandwidth; last, a decode step of a 4-layer 8B-shaped model
+under CUDA graphs, base and multi-LoRA (`--unfused`: also with torch's elementwise ops).
+Families not named in `--sweep` run their default configs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from functools import partial
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+from triton.testing import do_bench
+
+from kernels import bgmv, fused
+from kernels import paged_attention as pa
+
+H, KVH, D, PAGE, HIDDEN, INTER, RANK = 32, 8, 128, 16, 4096, 14336, 16
+BF16 = torch.bfloat16
+
+
+def bench(fn) -> float:
+    """Median seconds of `fn` (L2 flushed between runs by do_bench)."""
+    return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e-3
+
+
+def copy_bandwidth() -> float:
+    x = torch.randn(2**29, device="cuda", dtype=BF16)  # 1 GiB
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / bench(lambda: y.copy_(x))
+
+
+def paged_inputs(ctx_lens: list[int]):
+    pages = [math.ceil(n / PAGE) for n in ctx_lens]
+    order = torch.randperm(sum(pages)).tolist()
+    width, tables, i = max(pages), [], 0
+    for n in pages:
+        tables.append(order[i : i + n] + [0] * (width - n))
+        i += n
+    shape = (sum(pages) * PAGE, KVH, D)
+    k = torch.randn(shape, device="cuda", dtype=BF16)
+    v = torch.randn(shape, device="cuda", dtype=BF16)
+    tables_t = torch.tensor(tables, dtype=torch.int32, device="cuda")
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    return k, v, tables_t, lens
+
+
+def bench_decode(q, k, v, tables, lens, out, cfg) -> float:
+    return bench(partial(pa.paged_decode_triton, q, k, v, tables, lens, PAGE, D**-0.5, out,
+                         config=cfg))
+
+
+def sweep_decode(copy_bw: float, quick: bool) -> dict:
+    results = {}
+    configs = list(itertools.product([32, 64], [2, 4, 8], [2, 3, 4], [4]))
+    if quick:
+        configs = [pa.DECODE_CONFIG, pa.DECODE_CONFIG_LARGE]
+    for batch in (1, 16, 64, 128):
+        k, v, tables, lens = paged_inputs([1024] * batch)
+        q = torch.randn(batch, H, D, device="cuda", dtype=BF16)
+        out = torch.empty_like(q)
+        nbytes = 2 * batch * 1024 * KVH * D * 2 + 2 * q.nbytes
+
+        run = partial(bench_decode, q, k, v, tables, lens, out)
+
+        times = {cfg: run(cfg) for cfg in configs}
+        best = min(times, key=times.get)
+        for waves in ([] if quick else [1, 2, 8, 16]):
+            cfg = (*best[:3], waves)
+            times[cfg] = run(cfg)
+        best = min(times, key=times.get)
+        default = run(None)
+        results[batch] = dict(
+            best=best, us=times[best] * 1e6, default_us=default * 1e6,
+            bw_fraction=nbytes / times[best] / copy_bw,
+            default_bw_fraction=nbytes / default / copy_bw,
+        )
+        print(f"decode b={batch:4d} ctx=1024  best {best}  {times[best] * 1e6:8.1f} us  "
+              f"{nbytes / times[best] / 1e12:5.2f} TB/s = {results[batch]['bw_fraction']:.2f}"
+              f" of copy", flush=True)
+    return results
+
+
+def sweep_prefill(quick: bool) -> dict:
+    results = {}
+    configs = list(itertools.product([64, 128], [32, 64], [4, 8], [2, 3]))
+    if quick:
+        configs = [pa.PREFILL_CONFIG]
+    cases = {"2048 new": ([2048], [2048]), "8x512 new on 512 cached": ([1024] * 8, [512] * 8)}
+    for name, (ctx_lens, q_lens) in cases.items():
+        k, v, tables, lens = paged_inputs(ctx_lens)
+        q = torch.randn(sum(q_lens), H, D, device="cuda", dtype=BF16)
+        out = torch.empty_like(q)
+        starts = torch.tensor([0, *q_lens], device="cuda").cumsum(0).to(torch.int32)
+        # causal pairs (query, visible key), 2 matmuls of 2 * D flops each
+        pairs = sum(n * (c - n) + n * (n + 1) // 2 for c, n in zip(ctx_lens, q_lens, strict=True))
+        flops = 4 * D * H * pairs
+        times = {}
+        for cfg in configs:
+            try:
+                times[cfg] = bench(partial(pa.paged_prefill_triton, q, k, v, tables, starts, lens,
+                                           max(q_lens), PAGE, D**-0.5, out, config=cfg))
+            except OutOfResources:
+                continue
+        best = min(times, key=times.get)
+        results[name] = dict(best=best, us=times[best] * 1e6, tflops=flops / times[best] / 1e12)
+        print(f"prefill {name:26s} best {best}  {times[best] * 1e6:8.1f} us  "
+              f"{flops / times[best] / 1e12:6.1f} TFLOP/s", flush=True)
+    return results
+
+
+def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
+    """Batch 64, one distinct adapter per token (64 slots), each projection of one layer."""
+    tokens, slots = 64, 64
+    idx = torch.randperm(slots, device="cuda").to(torch.int32)
+    scales = torch.ones(slots, device="cuda")
+    shrinks = {"qkv": (3 * RANK, HIDDEN), "gate_up": (2 * RANK, HIDDEN), "o": (RANK, HIDDEN),
+               "down": (RANK, INTER)}
+    expands = {"o/down": (HIDDEN,), "qkv": (HIDDEN, KVH * D, KVH * D), "gate_up": (INTER, INTER)}
+    shrink_cfgs = list(itertools.product([4, 8, 16], [1024, 2048], [4, 8], [1, 3]))
+    expand_cfgs = list(itertools.product([64, 128, 256, 512], [16], [2, 4, 8], [1, 2]))
+    if quick:
+        shrink_cfgs, expand_cfgs = [bgmv.SHRINK_CONFIG], [bgmv.EXPAND_CONFIG]
+    results = {}
+    for name, (n, k) in shrinks.items():
+        a = torch.randn(slots, n, k, device="cuda", dtype=BF16) * 0.02
+        x = torch.randn(tokens, k, device="cuda", dtype=BF16)
+        t = torch.empty(tokens, n, device="cuda", dtype=BF16)
+        times = {c: bench(partial(bgmv._launch, x, a, t, idx, None, c)) for c in shrink_cfgs}
+        best = min(times, key=times.get)
+        nbytes = a.nbytes + x.nbytes + t.nbytes
+        default = bench(partial(bgmv.bgmv_shrink_triton, x, a, idx))
+        results[f"shrink {name}"] = dict(best=best, us=times[best] * 1e6, bytes=nbytes,
+                                         default_us=default * 1e6)
+    for name, sizes in expands.items():
+        n = sum(sizes)
+        b = torch.randn(slots, n, RANK, device="cuda", dtype=BF16) * 0.02
+        t = torch.randn(tokens, RANK * len(sizes), device="cuda", dtype=BF16)
+        y = torch.randn(tokens, n, device="cuda", dtype=BF16)
+        times = {c: bench(partial(bgmv._launch, t, b, y, idx, scales, c, sizes))
+                 for c in expand_cfgs}
+        best = min(times, key=times.get)
+        nbytes = b.nbytes + t.nbytes + 2 * y.nbytes
+        default = bench(partial(bgmv.bgmv_expand_slices_triton, y, t, b, sizes, idx, scales))
+        results[f"expand {name}"] = dict(best=best, us=times[best] * 1e6, bytes=nbytes,
+                                         default_us=default * 1e6)
+    for name, r in results.items():
+        r["bw_fraction"] = r["bytes"] / (r["us"] * 1e-6) / copy_bw
+        print(f"bgmv {name:16s} best {r['best']}  {r['us']:7.1f} us (default "
+              f"{r['default_us']:7.1f})  {r['bw_fraction']:.2f} of copy", flush=True)
+    # One layer's 4 shrinks + 4 expands, each at its best config and at the defaults.
+    layer = [("shrink qkv", 1), ("shrink gate_up", 1), ("shrink o", 1), ("shrink down", 1),
+             ("expand o/down", 2), ("expand qkv", 1), ("expand gate_up", 1)]
+    nbytes = sum(results[n]["bytes"] * c for n, c in layer)
+    for key in ("us", "default_us"):
+        us = sum(results[n][key] * c for n, c in layer)
+        results[f"layer {key}"] = dict(us=us, bw_fraction=nbytes / (us * 1e-6) / copy_bw)
+        print(f"bgmv one layer (8 launches, {key}) {us:7.1f} us, "
+              f"{nbytes / (us * 1e-6) / copy_bw:.2f} of copy", flush=True)
+    return results
+
+
+def step_profile(copy_bw: float, unfused: bool) -> dict:
+    """Decode steps of a 4-layer Llama-3-8B-shaped model with CUDA graphs, ctx 1024."""
+    from engine.config import ModelConfig
+    from engine.model_runner import ModelRunner
+    from engine.models.llama import LlamaForCausalLM
+    from lora.layers import wrap_model
+    from lora.slots import LoraSlots
+
+    cfg = ModelConfig(vocab_size=128256, hidden_size=HIDDEN, intermediate_size=INTER,
+                      num_layers=4, num_heads=H, num_kv_heads=KVH, head_dim=D,
+                      max_position=4096, rope_theta=500000.0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(BF16)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0, 0.02)
+    model.init_rope()
+    slots = LoraSlots(cfg, 64, RANK, BF16, "cuda")
+    for layer in slots.layers:
+        for stack in layer.values():
+            torch.nn.init.normal_(stack.a, 0, 0.02)
+            torch.nn.init.normal_(stack.b, 0, 0.02)
+    slots.scales.fill_(1.0)
+    lora = wrap_model(model, slots, lambda req: -1)
+    weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
+    results = {}
+    for fused_ops in (True, False) if unfused else (True,):
+        saved = (fused.rms_norm, fused.rope, fused.silu_mul)
+        if not fused_ops:
+            fused.rms_norm, fused.rope, fused.silu_mul = (
+                fused.rms_norm_torch, fused.rope_torch, fused.silu_mul_torch)
+        runner = ModelRunner(model, num_pages=128 * 66, page_size=PAGE, lora=lora,
+                             cuda_graph_max_batch=128, max_model_len=2048)
+        for batch in (1, 64, 128):
+            tables = [list(range(i * 66, i * 66 + 65)) for i in range(batch)]
+            ids, pos = [5] * batch, [1024] * batch
+            slots_ = [t[64] * PAGE for t in tables]
+            kv_bytes = batch * 1025 * 4 * 2 * KVH * D * 2
+            roofline = (weight_bytes + kv_bytes) / copy_bw
+            row = {}
+            for name, lora_slots in (("base", None), ("lora64", list(range(batch))[:64] * 2),
+                                     ("lora8", [i % 8 for i in range(batch)])):
+                lora_slots = lora_slots[:batch] if lora_slots else None
+                t = bench(partial(runner.graphs.run, ids, pos, slots_, tables, lora_slots))
+                row[name] = dict(ms=t * 1e3, roofline_fraction=roofline / t)
+            results[f"{'fused' if fused_ops else 'torch'} b={batch}"] = row
+            print(f"step 4 layers {'fused' if fused_ops else 'torch'} b={batch:3d}: base "
+                  f"{row['base']['ms']:.3f} ms ({row['base']['roofline_fraction']:.2f} of "
+                  f"roofline {roofline * 1e3:.3f}), lora8 {row['lora8']['ms']:.3f}, lora64 "
+                  f"{row['lora64']['ms']:.3f} ms", flush=True)
+        fused.rms_norm, fused.rope, fused.silu_mul = saved
+        del runner
+        torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", nargs="*", default=["decode", "prefill", "bgmv"])
+    parser.add_argument("--unfused", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    report = dict(device=props.name, torch=torch.__version__, triton=triton.__version__)
+    print(report, flush=True)
+    bw = report["copy_bw"] = copy_bandwidth()
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    report["decode"] = sweep_decode(bw, "decode" not in args.sweep)
+    report["bgmv"] = sweep_bgmv(bw, "bgmv" not in args.sweep)
+    report["prefill"] = sweep_prefill("prefill" not in args.sweep)
+    report["step"] = step_profile(bw, args.unfused)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Fused RMSNorm, RoPE and SiLU-and-mul: Triton vs the torch references (tiny shapes in the
+interpreter on CPU; Llama-3-8B shapes in bf16 on a GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+from kernels import fused  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+# vs the reference on fp32 copies of the inputs: the kernels round once (bf16: half an ulp),
+# and twice in RMSNorm and SiLU-mul where HF rounds an intermediate.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1.6e-2)}
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not got.isnan().any(), "unwritten output"
+    atol, rtol = TOLERANCE[got.dtype]
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=rtol)
+
+
+def poison(shape, dtype) -> None:
+    """Leave NaN in the caching allocator's next block of this size: a kernel that skips an
+    element of its freshly allocated output then fails the comparison."""
+    del_me = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    del del_me
+
+
+def check(tokens, hidden, heads, kv_heads, head_dim, inter, dtype):
+    gen = torch.Generator().manual_seed(tokens + hidden)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    x, w = randn(tokens, hidden), randn(hidden)
+    poison((tokens, hidden), dtype)
+    ref = fused.rms_norm_torch(x.float(), w.float(), 1e-5)
+    assert_close(fused.rms_norm_triton(x, w, 1e-5), ref)
+
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)  # rope works on strided views
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 6.3
+    cos, sin = angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
+    q_ref, k_ref = fused.rope_torch(q.float(), k.float(), cos.float(), sin.float())
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    q_got, k_got = fused.rope_triton(q, k, cos, sin)
+    assert_close(q_got, q_ref)
+    assert_close(k_got, k_ref)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+
+    gate_up = randn(tokens, 2 * inter) * 3
+    poison((tokens, inter), dtype)
+    assert_close(fused.silu_mul_triton(gate_up), fused.silu_mul_torch(gate_up.float()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_tiny(dtype):
+    check(tokens=5, hidden=72, heads=4, kv_heads=2, head_dim=16, inter=40, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_fused_gpu(tokens):
+    check(tokens, 4096, 32, 8, 128, 14336, torch.bfloat16)
