@@ -25,10 +25,10 @@ from grammar.vocab import TokenVocab
 # reads oneOf as anyOf: exact whenever the branches are disjoint (the usual case: tagged unions,
 # distinct types); `check_output` catches the rest.
 JSON_OPTIONS: llg.JsonCompileOptions = {"coerce_one_of": True, "lenient": False}
-# Tool-call arguments in the one spacing models are shown (`{"a": 1, "b": 2}`): a small model
-# given free whitespace can pad a call until max_tokens.
-CALL_JSON = {**JSON_OPTIONS, "whitespace_flexible": False, "item_separator": ", ",
-             "key_separator": ": "}
+# Tool-call arguments: at most one space between tokens (as xgrammar's max_whitespace_cnt=1).
+# A small model given free whitespace can pad a call until max_tokens; one given a fixed
+# spacing gets forced, non-canonical tokens (`:` then ` ` then `"`) and derails.
+CALL_JSON = {**JSON_OPTIONS, "whitespace_pattern": "[ ]"}
 SCHEMA_KINDS = ("json_object", "json_schema", "tool_calls")  # rewritten and retried
 MAX_RETRIES = 8  # rewrites of one schema (unknown formats, relaxed keywords)
 # Keywords that only ever rule instances out: without them a schema allows a superset.
