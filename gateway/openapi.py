@@ -2,9 +2,9 @@
 
 The JSON routes and the adapter upload read their raw body (size cap first, then strict
 pydantic validation: gateway/body.py), so FastAPI cannot see their schemas; this adds them. A
-body whose model requires no field may be omitted. Errors are OpenAI's JSON
-with status 400, never FastAPI's 422, and the document says so. Clients and API fuzzers
-(tests/test_api_fuzz.py) then exercise the real validators.
+body whose model requires no field may be omitted. Errors are OpenAI's JSON with status 400,
+never FastAPI's 422, and the document says so. Clients and API fuzzers (tests/test_api_fuzz.py)
+then exercise the real validators.
 """
 
 from __future__ import annotations
