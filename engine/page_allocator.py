@@ -43,6 +43,8 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         for p in pages:
+            if not 0 <= p < self.num_pages:
+                raise RuntimeError(f"page {p} does not exist")
             if self._is_free[p]:
                 raise RuntimeError(f"page {p} freed twice")
             self._is_free[p] = True

@@ -11,7 +11,8 @@ on `request.cache_node`; the rest belong to the request. The scheduler calls:
 - `commit(req)` after a prefill chunk: the request's computed full pages enter the tree.
 - `release(req)` when a request finishes or is preempted: commit, then the request's own
   pages go back to the allocator and its lock is dropped (a session's path is pinned).
-- `make_room(n)` when the allocator runs short: evict unlocked LRU leaves first.
+- `make_room(n)` when the allocator runs short: evict unlocked LRU leaves first, unpinning
+  idle sessions if that is what it takes.
 """
 
 from __future__ import annotations
@@ -120,10 +121,14 @@ class PrefixCache:
 
     def make_room(self, num_pages: int) -> bool:
         """Evict LRU unlocked tree pages until `num_pages` can be allocated; False if they
-        cannot (then nothing is evicted)."""
+        cannot (then nothing is evicted). Session pins give way when they stand in the way:
+        the least recently used sessions are unpinned first (their KV stays cached, now
+        evictable), so that idle sessions never make a request wait forever."""
         short = num_pages - self.allocator.num_free
         if short <= 0:
             return True
+        while short > self.tree.evictable_pages and self.pins.unpin_lru():
+            pass
         if short > self.tree.evictable_pages:
             return False
         self.allocator.free(self.tree.evict(short))

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import shutil
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -192,11 +191,21 @@ async def _read_form(request: Request, limit: int) -> tuple[str, list[tuple[str,
                           "adapter_model.safetensors as repeated 'files' parts", "files")
     files: list[tuple[str, UploadFile]] = []
     for upload in uploads:
-        filename = Path(upload.filename or "").name
-        if filename in ("", ".", "..") or filename in (f for f, _ in files):
-            raise bad_request(f"bad or repeated file name {upload.filename!r}", "files")
+        filename = upload.filename or ""
+        if not _plain_file_name(filename):
+            raise bad_request(f"bad file name {filename!r}: send plain file names (such as "
+                              "adapter_config.json), without directories", "files")
+        if filename in (f for f, _ in files):
+            raise bad_request(f"file {filename!r} is sent twice", "files")
         files.append((filename, upload))
     return name, files
+
+
+def _plain_file_name(name: str) -> bool:
+    """A name that stays inside the staging folder: no directory part, no traversal, no NUL,
+    short enough for any file system."""
+    return (name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+            and len(name.encode(errors="replace")) <= 255)
 
 
 def _unknown(name: str) -> APIError:

@@ -11,19 +11,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
 from engine.async_engine import AsyncEngine
 from gateway.adapters import adapter_routes, ensure_adapter, model_card, model_cards
+from gateway.body import read_body
 from gateway.config import ServeConfig
-from gateway.errors import APIError, bad_request, from_validation, install_error_handlers, too_large
+from gateway.errors import APIError, bad_request, install_error_handlers
 from gateway.generation import Generation
 from gateway.limits import check_capacity
 from gateway.metrics import RequestCounter
+from gateway.openapi import document_bodies
 from gateway.params import (
     plan_chat,
     plan_completion,
@@ -34,11 +35,9 @@ from gateway.responses import ChatFormat, CompletionFormat
 from gateway.runtime import Runtime
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.session_routes import add_session_routes
-from gateway.sessions import resolve_session
+from gateway.sessions import CreateSession, ForkSession, resolve_session
 from gateway.sse import SSEResponse, stream_events
 from grammar.spec import GrammarError
-
-Body = TypeVar("Body", bound=BaseModel)
 
 
 def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAPI:
@@ -102,6 +101,11 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
     async def completions(request: Request, tenant: str = Depends(authenticate)) -> Response:
         body = await read_body(request, CompletionRequest, config.max_request_bytes)
         return await _generate(request, tenant, body, "cmpl")
+
+    document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest,
+                          "/v1/completions": CompletionRequest,
+                          "/v1/sessions": CreateSession,
+                          "/v1/sessions/{session_id}/fork": ForkSession})
 
     async def _generate(
         request: Request,
@@ -169,26 +173,6 @@ async def _collect(
             code="engine_error",
         )
     return JSONResponse(fmt.body())
-
-
-async def read_body(request: Request, schema: type[Body], limit: int) -> Body:
-    """The body, at most `limit` bytes, parsed and validated strictly as `schema`."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad_request("The request body is empty; expected a JSON object.")
-    try:
-        return schema.model_validate_json(raw)
-    except ValidationError as e:
-        raise from_validation(e.errors()) from None
 
 
 def _model_card(config: ServeConfig, created: int) -> dict[str, Any]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import Body, Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gateway.adapters import ensure_adapter
+from gateway.body import read_body
 from gateway.errors import bad_request
 from gateway.params import resolve_adapter
 from gateway.runtime import Runtime
@@ -22,7 +23,7 @@ from sessions.store import Session, StoreUnavailable
 
 
 def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Callable[..., str]) -> None:
-    store = rt.sessions
+    store, limit = rt.sessions, rt.config.max_request_bytes
 
     @app.exception_handler(StoreUnavailable)
     async def _unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
@@ -30,8 +31,9 @@ def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Callable[..., st
 
     @app.post("/v1/sessions")
     async def create_session(
-        body: CreateSession, tenant: str = Depends(authenticate)
+        request: Request, tenant: str = Depends(authenticate)
     ) -> dict[str, Any]:
+        body = await read_body(request, CreateSession, limit)
         await ensure_adapter(rt, tenant, body.model)
         resolve_adapter(body.model, rt.config.model_name, tenant, rt.engine.adapters)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -56,13 +58,11 @@ def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Callable[..., st
 
     @app.post("/v1/sessions/{session_id}/fork")
     async def fork_session(
-        session_id: str,
-        body: ForkSession | None = Body(None),  # noqa: B008 - FastAPI's idiom
-        tenant: str = Depends(authenticate),
+        session_id: str, request: Request, tenant: str = Depends(authenticate)
     ) -> dict[str, Any]:
+        body = await read_body(request, ForkSession, limit, default=ForkSession())
         parent = await find_session(store, tenant, session_id)
-        index = len(parent.messages) if body is None or body.message_index is None \
-            else body.message_index
+        index = len(parent.messages) if body.message_index is None else body.message_index
         if index > len(parent.messages):
             raise bad_request(f"message_index {index} is out of range: the session has "
                               f"{len(parent.messages)} messages", "message_index")

@@ -119,7 +119,7 @@ def load_adapter(
             raise ValueError("not a JSON object")
     except FileNotFoundError:
         problems.append(f"missing {CONFIG_FILE}")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         problems.append(f"{CONFIG_FILE} is not valid JSON ({e})")
     else:
         settings, found = check_config(cfg, base, max_rank)

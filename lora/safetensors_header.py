@@ -79,7 +79,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], list[str]]:
         header = json.loads(raw)
     except OSError as e:
         return {}, [f"{name}: cannot read: {e}"]
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
         return {}, [f"{name}: header is not valid JSON ({e})"]
     if not isinstance(header, dict):
         return {}, [f"{name}: header is not a JSON object"]
@@ -104,7 +104,7 @@ def _entry(key: str, rec: object, data_start: int, data_size: int) -> TensorEntr
     if not isinstance(rec, dict):
         return "header record is not an object"
     dtype, shape, offsets = rec.get("dtype"), rec.get("shape"), rec.get("data_offsets")
-    if dtype not in ITEM_SIZE:
+    if not isinstance(dtype, str) or dtype not in ITEM_SIZE:
         return f"unknown dtype {dtype!r}"
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         return f"bad shape {shape!r}"

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lora.patterns import check_patterns, pattern_key
 from lora.safetensors_header import FLOAT_DTYPES, TensorEntry
 
 if TYPE_CHECKING:
@@ -76,12 +77,12 @@ class LoraSettings:
 
     def rank(self, module_path: str) -> int:
         """Rank of `model.layers.{i}.{block}.{proj}`, with PEFT's `rank_pattern` rule."""
-        key = _pattern_key(self.rank_pattern, module_path)
+        key = pattern_key(self.rank_pattern, module_path)
         return self.rank_pattern[key] if key is not None else self.r
 
     def scale(self, module_path: str) -> float:
         """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA (per-module patterns)."""
-        key = _pattern_key(self.alpha_pattern, module_path)
+        key = pattern_key(self.alpha_pattern, module_path)
         alpha = self.alpha_pattern[key] if key is not None else self.alpha
         return _scaling(alpha, self.rank(module_path), self.use_rslora)
 
@@ -93,14 +94,6 @@ class LoraSettings:
 
 def _scaling(alpha: float, r: int, use_rslora: bool) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
-
-
-def _pattern_key(patterns: dict[str, Any], module_path: str) -> str | None:
-    # PEFT's get_pattern_key: the first key matching a dotted suffix of the module's name.
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_path):
-            return key
-    return None
 
 
 def check_config(
@@ -137,6 +130,12 @@ def check_config(
     r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     ok = True
+    if not isinstance(rank_pattern, dict):
+        problems.append(f"{where}: rank_pattern must be an object of pattern -> rank")
+        rank_pattern, ok = {}, False
+    if not isinstance(alpha_pattern, dict):
+        problems.append(f"{where}: alpha_pattern must be an object of pattern -> alpha")
+        alpha_pattern, ok = {}, False
     for key, value in [("r", r), *((f"rank_pattern[{k!r}]", v) for k, v in rank_pattern.items())]:
         if not _is_int(value) or value < 1:
             problems.append(f"{where}: {key} must be a positive integer, got {value!r}")
@@ -147,18 +146,17 @@ def check_config(
         ("lora_alpha", alpha),
         *((f"alpha_pattern[{k!r}]", v) for k, v in alpha_pattern.items()),
     ]:
-        if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        if not _is_positive_finite(value):
             problems.append(f"{where}: {key} must be a positive number, got {value!r}")
             ok = False
     if not isinstance(cfg.get("use_rslora", False), bool):
         problems.append(f"{where}: use_rslora must be true or false")
         ok = False
-    for pattern in [*rank_pattern, *alpha_pattern]:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            problems.append(f"{where}: pattern {pattern!r} is not a valid regex ({e})")
-            ok = False
+    paths = [f"model.layers.{i}.{block}.{proj}"
+             for i in range(base.num_layers) for proj, block in PROJECTIONS.items()]
+    pattern_problems = check_patterns([*rank_pattern, *alpha_pattern], paths)
+    problems += [f"{where}: {p}" for p in pattern_problems]
+    ok = ok and not pattern_problems
     if not ok:
         return None, problems
     settings = LoraSettings(
@@ -291,5 +289,10 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+def _is_positive_finite(v: object) -> bool:
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v) and v > 0
+    except OverflowError:  # an int too large for a float
+        return False

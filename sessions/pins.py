@@ -3,8 +3,10 @@
 Pure Python. Each session pins at most one node: the end of its latest turn's path (the
 prompt plus the reply, full pages). Pinning a new turn unpins the previous one. When a tenant's
 pinned pages exceed the budget, its least recently used sessions are unpinned until it fits:
-their KV stays cached but becomes evictable. A session's history lives in the session store
-and is never dropped here; a session whose KV is gone simply re-prefills.
+their KV stays cached but becomes evictable. When the KV pool runs short, the least recently
+used sessions of any tenant are unpinned too (`unpin_lru`): pins are a cache, and must never
+keep a request from running. A session's history lives in the session store and is never
+dropped here; a session whose KV is gone simply re-prefills.
 """
 
 from __future__ import annotations
@@ -60,6 +62,14 @@ class SessionPins:
             self._used[pin.tenant] = left
         else:
             del self._used[pin.tenant]
+
+    def unpin_lru(self) -> bool:
+        """Unpin the least recently used session of any tenant (the pool ran short); False
+        when no session is pinned."""
+        if not self._pins:
+            return False
+        self.unpin(next(iter(self._pins)))
+        return True
 
     def clear(self) -> None:
         """Forget every pin without touching the tree (after `RadixTree.reset`)."""

@@ -31,6 +31,7 @@ API_KEYS = {
 # Small and fast: 8 seats + 12 queued sequences (so 16 concurrent requests fit, 40 do not).
 SERVE_FLAGS = ["--kv-pages", "160", "--page-size", "16", "--max-num-seqs", "8",
                "--max-queue", "12", "--max-num-batched-tokens", "256", "--log-level", "warning"]
+MAX_ADAPTER_BYTES = 8 * 2**20  # gateway_server's upload limit
 
 
 def pytest_collection_modifyitems(config, items):
@@ -81,6 +82,7 @@ class GatewayServer:
     api_key: str
     model: str
     log: Path
+    adapter_dir: Path  # the adapter store (uploads)
 
     @property
     def base_url(self) -> str:
@@ -93,15 +95,16 @@ def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway
     tmp = tmp_path_factory.mktemp("gateway")
     keys = tmp / "keys.json"
     keys.write_text(json.dumps(API_KEYS))
-    log = tmp / "serve.log"
+    log, store = tmp / "serve.log", tmp / "adapters"
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--api-keys", str(keys),
+           "--adapter-dir", str(store), "--max-adapter-bytes", str(MAX_ADAPTER_BYTES),
            *SERVE_FLAGS]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **THREADS})
     try:
         url = _wait_for_banner(proc, log, timeout=300)
-        yield GatewayServer(url, "sk-test-alpha", "SmolLM2-135M-Instruct", log)
+        yield GatewayServer(url, "sk-test-alpha", "SmolLM2-135M-Instruct", log, store)
     finally:
         proc.terminate()
         try:
