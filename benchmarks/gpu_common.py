@@ -151,6 +151,7 @@ class Round:
     tokens: int  # output tokens the timed steps produced
     mean_context: float  # tokens of context per sequence, averaged over the timed steps
     mean_running: float  # sequences decoding, averaged over the timed steps
+    chunk_steps: int = 0  # timed steps with a multi-token chunk (jump-forward): no decode graph
 
     @property
     def tok_s(self) -> float:
@@ -183,17 +184,39 @@ def decode_round(
     for _ in range(warm_steps):
         eng.step()
     torch.cuda.synchronize()
-    context = running = tokens = 0
+    context = running = tokens = chunks = 0
     t = time.perf_counter()
     for _ in range(steps):
         context += sum(r.num_tokens for r in eng.scheduler.running)
         running += len(eng.scheduler.running)
+        chunks += any(r.num_tokens - r.num_computed_tokens > 1 for r in eng.scheduler.running)
         tokens += sum(len(o.new_token_ids) for o in eng.step())
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     for rid in rids:
         eng.abort_request(rid)
-    return Round(dt, steps, tokens, context / max(running, 1), running / steps)
+    return Round(dt, steps, tokens, context / max(running, 1), running / steps, chunks)
+
+
+def profile(fn: Callable[[], Any], top: int = 6) -> dict[str, Any]:
+    """Run `fn` once under torch.profiler: its wall time, the GPU's summed kernel time (the
+    rest of the wall is host time the GPU waited on) and the costliest kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0
+               and e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    return {"wall_ms": round(wall * 1e3, 2),
+            "gpu_kernel_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 2),
+            "top": [[e.key[:60], round(e.device_time_total / 1e3, 2), e.count]
+                    for e in kernels[:top]]}
 
 
 def greedy(max_tokens: int, adapter: str | None = None, **kw: Any) -> SamplingParams:
