@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.tiny_models import save_tiny
+from tests.tiny_models import save_peft_adapter, save_tiny
 
 peft = pytest.importorskip("peft")
 
@@ -89,39 +89,16 @@ def test_pinned_sessions_never_starve_a_request(tiny_dir: Path) -> None:
 # -- one failing request fails alone --------------------------------------------------------
 
 
-def _peft_adapter(base_dir: Path, out: Path, seed: int, fill: float | None = None) -> Path:
-    """A real PEFT LoRA (q_proj, v_proj of the first two layers) for SmolLM2's shapes; `fill`
-    sets every LoRA weight to that value (finite, yet the product overflows to Inf)."""
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    cfg = AutoConfig.from_pretrained(base_dir)
-    cfg.num_hidden_layers = 2  # adapters for layers 0-1 of the 30: small and quick to make
-    cfg.vocab_size = 64  # the adapter holds no embedding
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(
-        LlamaForCausalLM(cfg),
-        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                        init_lora_weights=False),
-    )
-    if fill is not None:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_" in name:
-                    p.fill_(fill)
-    model.save_pretrained(out, save_embedding_layers=False)
-    return out
-
-
 def test_a_failing_request_fails_alone(smollm2_dir: Path, tmp_path: Path) -> None:
     """NaN logits from a real adapter, and an adapter whose file was truncated on disk after it
     was registered: those requests fail with the reason; the others' greedy tokens are the
     ones they get alone. (Grammar faults: tests/test_faults_http.py, on the warm server.)"""
     llm = LLM(model=str(smollm2_dir), max_num_seqs=16, num_pages=128, max_loras=2,
               max_cpu_loras=2)
-    broken = _peft_adapter(smollm2_dir, tmp_path / "broken", seed=1)
+    broken = save_peft_adapter(smollm2_dir, tmp_path / "broken", seed=1)
     llm.load_adapter("broken", broken)  # registered while healthy, then evicted from memory
-    llm.load_adapter("nan", _peft_adapter(smollm2_dir, tmp_path / "nan", seed=2, fill=1e30))
-    llm.load_adapter("good", _peft_adapter(smollm2_dir, tmp_path / "good", seed=3))
+    llm.load_adapter("nan", save_peft_adapter(smollm2_dir, tmp_path / "nan", seed=2, fill=1e30))
+    llm.load_adapter("good", save_peft_adapter(smollm2_dir, tmp_path / "good", seed=3))
     weights = broken / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # the disk copy is now truncated
 
