@@ -107,7 +107,8 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
-        return self.facts is not None and self.engine.ready
+        """Loaded and taking requests (False while draining: routers stop sending any)."""
+        return self.facts is not None and self.engine.ready and not self.draining
 
     @property
     def stage(self) -> str:
