@@ -125,3 +125,25 @@ def test_a_failing_request_fails_alone(smollm2_dir: Path, tmp_path: Path) -> Non
         assert out.token_ids == []
     llm.engine.reset_prefix_cache()
     assert llm.engine.allocator.num_used == 0
+
+
+def test_decode_attention_never_reads_past_a_rows_context() -> None:
+    """A freed page keeps its last owner's KV (NaN, from a NaN adapter); a row whose context
+    ends inside that page, or is padded to a longer row's width, must not see it (0 * NaN)."""
+    from kernels.paged_attention import paged_decode_torch
+
+    page, kvh, dim = 4, 2, 8
+    k = torch.full((6 * page, kvh, dim), float("nan"))
+    v = k.clone()
+    tables = torch.tensor([[3, 5, 0], [1, 2, 4]], dtype=torch.int32)  # row 0 padded with page 0
+    lens = torch.tensor([5, 11], dtype=torch.int32)  # both end inside their last page
+    for row, n in enumerate(lens.tolist()):
+        slots = [int(tables[row, j // page]) * page + j % page for j in range(n)]
+        k[slots], v[slots] = torch.randn(n, kvh, dim), torch.randn(n, kvh, dim)
+    q = torch.randn(2, 4, dim)
+    out = torch.empty_like(q)
+    paged_decode_torch(q, k, v, tables, lens, page, dim**-0.5, out)
+    clean = torch.empty_like(q)
+    paged_decode_torch(q, k.nan_to_num(0.0), v.nan_to_num(0.0), tables, lens, page, dim**-0.5,
+                       clean)
+    assert torch.isfinite(out).all() and torch.equal(out, clean)
