@@ -21,7 +21,10 @@ from tests.tiny_models import save_peft_adapter
 
 pytest.importorskip("peft")
 
-CHAT = [{"role": "user", "content": "Tell me a long story."}]
+# Our own system prompt: other tests on this shared server expect the chat template's default
+# one to be absent from tenant alpha's prefix cache at first.
+SYSTEM = {"role": "system", "content": "You are the faults test."}
+CHAT = [SYSTEM, {"role": "user", "content": "Tell me a long story."}]
 
 
 def _headers(server: GatewayServer, key: str | None = None) -> dict[str, str]:
@@ -54,7 +57,8 @@ def _long(server: GatewayServer, i: int) -> tuple[str, dict]:
     common = {"model": server.model, "max_tokens": 300, "ignore_eos": True, "stream": True}
     if i % 4:
         return "/completions", {**common, "prompt": "Once upon a time"}
-    return "/chat/completions", {**common, "messages": [{"role": "user", "content": "Go on."}]}
+    return "/chat/completions", {**common, "messages": [SYSTEM, {"role": "user",
+                                                                 "content": "Go on."}]}
 
 
 def test_overload_is_a_429_within_milliseconds(gateway_server: GatewayServer) -> None:
@@ -125,10 +129,10 @@ def test_a_failing_request_fails_alone(gateway_server: GatewayServer, smollm2_di
     letters = {"type": "object", "properties": {"word": {
         "type": "string", "maxLength": 10, "pattern": r"^\p{L}+$"}},  # ECMA-262 syntax
         "required": ["word"], "additionalProperties": False}
-    healthy = [{"model": srv.model, "messages": [{"role": "user", "content": c}],
+    healthy = [{"model": srv.model, "messages": [SYSTEM, {"role": "user", "content": c}],
                 "max_tokens": 8, "temperature": 0} for c in ("Hi!", "What is 2+2?", "Bye.")]
     healthy.append({"model": srv.model, "max_tokens": 30, "temperature": 0, "messages": [
-        {"role": "user", "content": "Name one animal."}], "response_format": {
+        SYSTEM, {"role": "user", "content": "Name one animal."}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "animal", "schema": letters}}})
     nan = {"model": name, "messages": CHAT, "max_tokens": 8}
     bad_grammar = {"model": srv.model, "messages": CHAT, "max_tokens": 8,
