@@ -51,6 +51,11 @@ class _ReleaseSession:
     session_id: str
 
 
+@dataclass(frozen=True)
+class _FailAll:
+    why: str
+
+
 _STOP = object()
 LOAD_STAGES = ("locating weights", "loading model", "ready")
 
@@ -164,6 +169,11 @@ class AsyncEngine:
         """The session ended: unpin its KV (applied before the next step)."""
         self._inbox.put(_ReleaseSession(session_id))
 
+    def fail_all(self, why: str) -> None:
+        """Fail every request added and not finished (a drain's deadline passed): each gets a
+        last output with finish_reason "error" and `error=why`. Callable from any thread."""
+        self._inbox.put(_FailAll(why))
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             sink = self._sinks.get(out.request_id)
@@ -230,6 +240,8 @@ class AsyncEngine:
                     self._engine.abort_request(cmd.request_id)  # nobody listens for its output
                 except Exception:
                     log.exception("aborting %s failed", cmd.request_id)
+            elif isinstance(cmd, _FailAll):
+                outputs += self._abort_all(set(self._live), cmd.why)
             elif isinstance(cmd, _ReleaseSession):
                 try:
                     self._engine.release_session(cmd.session_id)
@@ -263,12 +275,17 @@ class AsyncEngine:
             scheduler = self._engine.scheduler
             running = {r.request_id for r in scheduler.running}
             vanished = self._live - {r.request_id for r in scheduler.requests()}
-            for rid in running:
-                try:
-                    self._engine.abort_request(rid)
-                except Exception:
-                    log.exception("could not abort %s", rid)
-            return [_failed(rid, f"engine step failed: {e}") for rid in running | vanished]
+            why = f"engine step failed: {e}"
+            return self._abort_all(running, why) + [_failed(rid, why) for rid in vanished]
+
+    def _abort_all(self, request_ids: set[str], why: str) -> list[RequestOutput]:
+        """Abort these requests in the engine; their failed outputs, with `why`."""
+        for rid in request_ids:
+            try:
+                self._engine.abort_request(rid)
+            except Exception:
+                log.exception("could not abort %s", rid)
+        return [_failed(rid, why) for rid in request_ids]
 
     def _publish_stats(self) -> None:
         e = self._engine

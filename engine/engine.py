@@ -180,21 +180,32 @@ class LLMEngine:
         return failed
 
     def postprocess(self, batch: Batch, samples: list[SampleResult]) -> list[RequestOutput]:
-        sampling = [s.request for s in batch.seqs if s.samples]
-        self.scheduler.update(
-            batch, {r: s.token_id for r, s in zip(sampling, samples, strict=True)}
-        )
+        """Append each sampled token and check stops. A request whose row could not be sampled,
+        or whose own postprocessing raises (grammar, detokenizer, output check), fails alone
+        with the reason; the rest of the batch goes on."""
+        sampled = list(zip((s.request for s in batch.seqs if s.samples), samples, strict=True))
+        self.scheduler.update(batch, {r: s.token_id for r, s in sampled if s.error is None})
         outputs = []
-        for req, sample in zip(sampling, samples, strict=True):
-            new = [sample.token_id]
-            reason = self._check_stop(req, sample.token_id)
-            if reason is None and req.params.logprobs is None:
-                reason = self._jump_forward(req, new)
-            if reason:
-                self._finish(req, reason)
-            lp = [sample.logprob] if sample.logprob is not None else None
-            outputs.append(self._output(req, new, lp))
+        for req, sample in sampled:
+            if sample.error is not None:
+                outputs.append(self._fail(req, sample.error))
+                continue
+            try:
+                outputs.append(self._advance(req, sample))
+            except Exception as e:
+                log.exception("request %s failed after sampling", req.request_id)
+                outputs.append(self._fail(req, f"internal error: {type(e).__name__}: {e}"))
         return outputs
+
+    def _advance(self, req: Request, sample: SampleResult) -> RequestOutput:
+        new = [sample.token_id]
+        reason = self._check_stop(req, sample.token_id)
+        if reason is None and req.params.logprobs is None:
+            reason = self._jump_forward(req, new)
+        if reason:
+            self._finish(req, reason)
+        lp = [sample.logprob] if sample.logprob is not None else None
+        return self._output(req, new, lp)
 
     def _jump_forward(self, req: Request, new: list[int]) -> str | None:
         """Append the tokens the grammar forces; the next step prefills them as one chunk."""
@@ -226,9 +237,24 @@ class LLMEngine:
         return None
 
     def _fail(self, req: Request, why: str) -> RequestOutput:
+        """End `req` with finish_reason "error" (also when it had just finished otherwise).
+        The output is built without the detokenizer, which may be what failed."""
         req.error = why
-        self._finish(req, "error")
-        return self._output(req, [], None)
+        if req.finished:
+            req.finish_reason = "error"
+        else:
+            self._finish(req, "error")
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=req.num_output_tokens,
+            error=why,
+        )
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)

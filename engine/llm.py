@@ -24,6 +24,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 class LLM:
@@ -71,6 +72,7 @@ class LLM:
                 if out.finished:
                     r.finish_reason = out.finish_reason
                     r.num_cached_tokens = out.num_cached_tokens
+                    r.error = out.error
         return [results[rid] for rid in order]
 
     def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> None:

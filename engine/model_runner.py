@@ -12,6 +12,7 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import LlamaForCausalLM
+from engine.request import Request
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import Batch, ScheduledSeq
 from engine.structured import GrammarStage
@@ -63,7 +64,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[SampleResult]:
-        """One forward for the whole batch; returns a sample for each seq with `samples`."""
+        """One forward for the whole batch; returns a sample for each seq with `samples`.
+
+        A row that cannot be sampled (non-finite logits, or its grammar failed to fill its
+        mask) gets a `SampleResult` with `error` set instead of a token; the other rows are
+        sampled as if it were not there.
+        """
         seqs = sorted(batch.seqs, key=self._layout)
         reqs = [s.request for s in seqs if s.samples]
         masks = self.grammar.start_fill(reqs) if self.grammar else None  # overlaps the forward
@@ -74,8 +80,11 @@ class ModelRunner:
                 self.lora.begin_step([s.request for s in seqs], [s.num_new_tokens for s in seqs])
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[sample_rows])
-        GrammarStage.apply(logits, masks)
+        errors = _non_finite_rows(logits, reqs)
+        errors.update(GrammarStage.apply(logits, masks))
         samples = self.sampler(logits, reqs)
+        for row, why in errors.items():
+            samples[row] = SampleResult(-1, error=why)
         by_req = dict(zip(reqs, samples, strict=True))
         return [by_req[s.request] for s in batch.seqs if s.samples]
 
@@ -163,3 +172,17 @@ def _pad(tables: list[list[int]]) -> list[list[int]]:
     """Rows padded with page 0 to one width (past each row's context: masked out)."""
     width = max((len(t) for t in tables), default=0)
     return [t + [0] * (width - len(t)) for t in tables]
+
+
+def _non_finite_rows(logits: torch.Tensor, reqs: list[Request]) -> dict[int, str]:
+    """Rows of `logits` [N, V] holding NaN or Inf (e.g. a LoRA adapter whose weights overflow),
+    with why; they are zeroed so that the sampler sees only finite numbers."""
+    bad = (~torch.isfinite(logits).all(dim=1)).nonzero().flatten().tolist()
+    errors = {}
+    for row in bad:
+        logits[row] = 0.0
+        adapter = reqs[row].params.adapter
+        errors[row] = "the model produced non-finite logits (NaN or Inf) for this request" + (
+            f" under LoRA adapter {adapter!r}; its weights may overflow" if adapter else ""
+        )
+    return errors

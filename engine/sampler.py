@@ -19,6 +19,7 @@ from engine.request import Request
 class SampleResult:
     token_id: int
     logprob: TokenLogprob | None = None
+    error: str | None = None  # the row could not be sampled: its request fails with this
 
 
 class Sampler:

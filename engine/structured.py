@@ -85,17 +85,23 @@ class GrammarStage:
         # Pinned where there is a GPU, so `apply` uploads it without waiting for the forward.
         bitmask = torch.full((n, words), -1, dtype=torch.int32,
                              pin_memory=torch.cuda.is_available())  # (rows, vocab / 32)
+        errors: dict[int, str] = {}
         for m, row in zip(matchers, rows, strict=True):
-            m.fill_bitmask(bitmask, row)
-        return bitmask, rows
+            try:
+                m.fill_bitmask(bitmask, row)
+            except Exception as e:  # noqa: BLE001 - fails this row's request, not the batch
+                errors[row] = f"the grammar backend failed: {type(e).__name__}: {e}"
+        return bitmask, rows, errors
 
     @staticmethod
-    def apply(logits: torch.Tensor, filled: Future | None) -> None:
-        """Mask disallowed tokens of the constrained rows of `logits` [N, V] to -inf."""
+    def apply(logits: torch.Tensor, filled: Future | None) -> dict[int, str]:
+        """Mask disallowed tokens of the constrained rows of `logits` [N, V] to -inf; returns
+        the rows whose matcher failed (row -> why): their requests must fail."""
         if filled is None:
-            return
-        bitmask, rows = filled.result()
+            return {}
+        bitmask, rows, errors = filled.result()
         apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), rows)
+        return errors
 
     # -- postprocess ----------------------------------------------------------------------
 

@@ -118,15 +118,11 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         constraint = resolve_constraint(body)
         turn = await resolve_session(body, tenant, rt.sessions)
         tok, facts = rt.require_ready()
-        if constraint is not None:  # a schema no backend compiles is a 400 now, not later
-            try:
-                await rt.engine.compile_grammar(constraint)
-            except GrammarError as e:
-                raise bad_request(e.message, e.param or "response_format") from None
         if isinstance(body, ChatCompletionRequest):
             jobs = plan_chat(turn.prompt_body(body) if turn else body, tok, facts, adapter)
         else:
             jobs = plan_completion(body, tok, facts, adapter)
+        # Admission comes before anything slow (a grammar compile): overload is a 429 at once.
         check_capacity(rt.engine.num_outstanding, len(jobs), config.max_num_seqs, config.max_queue)
         ticket = await rt.limiter.admit(tenant)
         gen = Generation(
@@ -134,8 +130,10 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
             turn.session.id if turn else None,
         )
         try:
+            if constraint is not None:  # a schema no backend compiles is a 400 now, not later
+                await _compile(rt, constraint)
             gen.submit()
-        except Exception:
+        except BaseException:  # also a client gone while the grammar compiled
             gen.close()
             raise
         fmt: ChatFormat | CompletionFormat
@@ -154,6 +152,13 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         return response
 
     return app
+
+
+async def _compile(rt: Runtime, constraint: Any) -> None:
+    try:
+        await rt.engine.compile_grammar(constraint)
+    except GrammarError as e:
+        raise bad_request(e.message, e.param or "response_format") from None
 
 
 async def _collect(

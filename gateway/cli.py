@@ -2,6 +2,9 @@
 
 The server listens at once (/health answers, /ready says 503) while the model loads behind a
 progress bar; then it prints the URL and a ready-to-paste curl line.
+
+SIGTERM drains: new API requests get 503 (and /ready says 503) while the running ones finish,
+for at most `--drain-timeout` seconds; then the process exits 0. Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 
 from gateway.config import ConfigError, ServeConfig, build_config
 
@@ -43,6 +47,7 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-queue", "N", int, "sequences that may wait beyond a full batch before 429s"),
     ("--max-request-bytes", "N", int, "largest accepted request body"),
     ("--default-max-tokens", "N", int, "cap on max_tokens when a request leaves it out"),
+    ("--drain-timeout", "SECONDS", float, "on SIGTERM, how long running requests may finish"),
     ("--log-level", "LEVEL", str, "critical | error | warning | info | debug"),
 ]
 
@@ -83,7 +88,7 @@ def serve(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         _error(console, f"{e} (port {cfg.port} in use?)")
         return 1
-    signal.signal(signal.SIGTERM, _interrupt)  # stop gracefully on SIGTERM as on Ctrl-C
+    signal.signal(signal.SIGTERM, _interrupt)  # while loading, SIGTERM stops as Ctrl-C does
     try:
         runtime = app.state.runtime
         if runtime.cluster:
@@ -92,9 +97,15 @@ def serve(args: argparse.Namespace) -> int:
         if runtime.load_error is not None:
             _error(console, str(runtime.load_error))
             return 1
+        term = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: term.set())  # from now on, SIGTERM drains
         _print_banner(cfg, server.url)
-        while server.alive():
-            server.thread.join(0.5)
+        while server.alive() and not term.wait(0.5):
+            pass
+        if term.is_set():
+            console.print(f"SIGTERM: draining (at most {cfg.drain_timeout:g} s)", highlight=False)
+            if not runtime.drain(cfg.drain_timeout):
+                _error(console, "drain deadline passed; the unfinished requests were failed")
     except KeyboardInterrupt:
         pass
     finally:

@@ -60,6 +60,7 @@ class ServeConfig(BaseModel):
     max_queue: int = Field(256, ge=0, description="sequences that may wait beyond a full batch")
     max_request_bytes: int = Field(4 * 2**20, ge=1024)
     default_max_tokens: int | None = Field(None, ge=1, description="cap when max_tokens absent")
+    drain_timeout: float = Field(30.0, ge=0, description="SIGTERM: seconds to finish requests")
 
     # Engine.
     max_num_seqs: int = Field(64, ge=1)

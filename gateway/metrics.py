@@ -33,6 +33,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 class Metrics:
     def __init__(self, stats: Callable[[], EngineStats], queue_depth: Callable[[], int]):
         r = self.registry = CollectorRegistry()
+        self.in_flight = 0  # API requests being answered (streams until their last byte)
         self.requests = Counter(
             "switchboard_requests", "HTTP requests by endpoint and status code",
             ["endpoint", "status"], registry=r,
@@ -67,6 +68,9 @@ class Metrics:
                 "KV pages held by requests or pinned by sessions (evictable cache excluded)",
                 lambda: stats().kv_pages_used),
             "switchboard_kv_pages_total": ("KV cache pages in all", lambda: stats().kv_pages_total),
+            "switchboard_requests_in_flight": (
+                "API requests being answered (streams until their last byte)",
+                lambda: self.in_flight),
             "switchboard_jump_forward_tokens": (
                 "Tokens appended by grammar jump-forward instead of sampled (cumulative)",
                 lambda: stats().jump_forward_tokens,
@@ -104,7 +108,8 @@ class _PrefixCacheCollector:
 
 
 class RequestCounter:
-    """ASGI middleware: counts every response on the API routes by its status code."""
+    """ASGI middleware: counts every response on the API routes by its status code, and the
+    requests in flight (a draining server waits for those)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -121,4 +126,8 @@ class RequestCounter:
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        self.metrics.in_flight += 1
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.in_flight -= 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 from engine.async_engine import LOAD_STAGES, AsyncEngine
 from gateway.auth import Authenticator
@@ -23,6 +24,7 @@ from sessions.store import MemoryStore, RedisStore, SessionStore
 log = logging.getLogger(__name__)
 
 STAGES = (*LOAD_STAGES[:-1], "loading tokenizer", "ready")
+FLUSH_S = 5.0  # after the drain deadline: time for the failed requests' answers to go out
 
 
 class Runtime:
@@ -45,6 +47,7 @@ class Runtime:
         self.facts: EngineFacts | None = None
         self.load_error: BaseException | None = None
         self.loaded = threading.Event()  # set once ready or failed (for the CLI's progress)
+        self.draining = False  # set by `drain`: new API requests get 503, running ones finish
         self._loader: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -64,6 +67,24 @@ class Runtime:
             await self.cluster.stop()
         await asyncio.to_thread(self.engine.shutdown)
         await self.sessions.close()
+
+    def drain(self, timeout: float) -> bool:
+        """Stop taking requests (503, /ready too) and wait up to `timeout` s for those in
+        flight to finish; past it, fail what is left, so that its clients get an error rather
+        than a cut connection. True when everything finished in time. Blocks (not for the
+        event loop): `switchboard serve` calls it on SIGTERM, before stopping the server."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.busy:
+            return True
+        log.warning("drain deadline passed: failing %d requests", self.engine.num_outstanding)
+        self.engine.fail_all("the server is shutting down")
+        deadline = time.monotonic() + FLUSH_S
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return False
 
     async def _finish_loading(self) -> None:
         try:
@@ -86,7 +107,8 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
-        return self.facts is not None and self.engine.ready
+        """Loaded and taking requests (False while draining: routers stop sending any)."""
+        return self.facts is not None and self.engine.ready and not self.draining
 
     @property
     def stage(self) -> str:
@@ -97,7 +119,15 @@ class Runtime:
             return "loading tokenizer"
         return self.engine.load_stage
 
+    @property
+    def busy(self) -> bool:
+        """API requests in flight, or engine requests not finished."""
+        return self.metrics.in_flight > 0 or self.engine.num_outstanding > 0
+
     def require_ready(self) -> tuple[GatewayTokenizer, EngineFacts]:
+        if self.draining:
+            raise APIError(503, "The server is shutting down; retry shortly.", "server_error",
+                           code="server_shutting_down", headers={"Retry-After": "1"})
         if self.load_error is not None:
             raise APIError(503, f"The model failed to load: {self.load_error}", "server_error",
                            code="model_load_failed")

@@ -7,12 +7,20 @@ every output that finished with "stop" and never reports a failing one as valid.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
 import jsonschema
+import regex
 
 from grammar.spec import ConstraintSpec
+
+# Patterns are checked with the `regex` module under this time limit: Python's backtracking
+# `re` takes exponential time on patterns like `(a|a)*b|a*c`, and the check runs on the engine
+# thread, so one request's pattern would stall every other request. `regex` also reads the
+# `\p{L}` classes that ECMA-262 / Rust patterns use and `re` refuses.
+PATTERN_TIMEOUT_S = 0.1
 
 
 def check_output(spec: ConstraintSpec, text: str) -> str | None:
@@ -30,22 +38,46 @@ def check_output(spec: ConstraintSpec, text: str) -> str | None:
         except json.JSONDecodeError as e:
             return f"output is not JSON: {e}"
         schema = spec.schema()
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        error = jsonschema.exceptions.best_match(
-            cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value)
+        cls = _validator(
+            jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         )
+        try:
+            error = jsonschema.exceptions.best_match(
+                cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value)
+            )
+        except re.error:  # a patternProperties key `re` does not read: trust the matcher
+            return None
         if error is not None:
             where = "/".join(str(x) for x in error.absolute_path) or "(root)"
             return f"output does not match the schema at {where}: {error.message}"
         return None
     if spec.kind == "regex":
         assert isinstance(spec.payload, str)
-        try:
-            ok = re.fullmatch(spec.payload, text) is not None
-        except re.error:
-            return None  # a dialect Python's `re` does not read; trust the matcher
-        return None if ok else "output does not match the regex"
+        ok = _matches(spec.payload, text, full=True)
+        return None if ok is not False else "output does not match the regex"
     if spec.kind == "choice":
         assert isinstance(spec.payload, tuple)
         return None if text in spec.payload else "output is not one of the choices"
     return None
+
+
+def _matches(pattern: str, text: str, full: bool) -> bool | None:
+    """Whether `text` matches `pattern` (whole, or anywhere); None when Python cannot tell (a
+    dialect `regex` does not read, or past the time limit): then the grammar matcher, an
+    automaton that enforced the pattern token by token, is trusted."""
+    find = regex.fullmatch if full else regex.search
+    try:
+        return find(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+    except (regex.error, TimeoutError):
+        return None
+
+
+@functools.cache
+def _validator(cls: type) -> type:
+    """`cls` with its `pattern` keyword checked by `_matches`."""
+
+    def pattern(validator, patrn, instance, schema):  # noqa: ANN001, ANN202 - jsonschema's
+        if validator.is_type(instance, "string") and _matches(patrn, instance, False) is False:
+            yield jsonschema.ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    return jsonschema.validators.extend(cls, {"pattern": pattern})

@@ -84,9 +84,12 @@ def paged_decode_torch(
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     slots = context_slots(block_tables, page_size)  # (B, L)
+    pad = torch.arange(slots.shape[1], device=q.device) >= seq_lens.unsqueeze(1)  # (B, L)
+    # Padded positions read the row's own first slot (then get zero weight): any other slot,
+    # even in the row's own last page, may hold a previous request's NaN, and 0 * NaN is NaN.
+    slots = torch.where(pad, slots[:, :1], slots)
     kd = k_cache[slots].permute(0, 2, 3, 1)  # (B, KVH, D, L)
     vd = v_cache[slots].transpose(1, 2)  # (B, KVH, L, D)
-    pad = torch.arange(slots.shape[1], device=q.device) >= seq_lens.unsqueeze(1)  # (B, L)
     bias = torch.zeros(pad.shape, dtype=q.dtype, device=q.device).masked_fill(pad, -torch.inf)
     qd = q.view(batch, kv_heads, heads // kv_heads, dim)  # (B, KVH, G, D)
     scores = torch.matmul(qd, kd) * scale + bias[:, None, None, :]  # (B, KVH, G, L)

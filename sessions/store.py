@@ -112,9 +112,16 @@ class RedisStore(SessionStore):
 
     def __init__(self, url: str, prefix: str = "switchboard:session:"):
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
+        # No retries: a write whose reply was lost may have been applied, and a retried RPUSH
+        # would store the turn twice. A failure is a 503 and the client retries the turn. The
+        # pool checks a connection before each use, so once Redis is back the next call
+        # reconnects by itself.
         self._redis = aioredis.Redis.from_url(url, decode_responses=True,
-                                              socket_connect_timeout=2, socket_timeout=5)
+                                              socket_connect_timeout=2, socket_timeout=5,
+                                              retry=Retry(NoBackoff(), 0))
         self.prefix = prefix
 
     async def create(self, session: Session) -> None:

@@ -1,4 +1,5 @@
-"""Small random Llama-family checkpoints written with transformers' save_pretrained."""
+"""Small random Llama-family checkpoints written with transformers' save_pretrained, and PEFT
+LoRA adapters for a given base."""
 
 from __future__ import annotations
 
@@ -55,3 +56,27 @@ def save_tiny(path: Path, kind: str = "llama", **overrides) -> Path:
             p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.1)
     model.save_pretrained(path, max_shard_size="300KB")
     return path
+
+
+def save_peft_adapter(base_dir: Path, out: Path, seed: int, fill: float | None = None) -> Path:
+    """A real PEFT LoRA (r=4 on q_proj and v_proj of layers 0-1) for the model at `base_dir`;
+    `fill` sets every LoRA weight to that value (1e30: finite, but the forward overflows)."""
+    import peft
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    cfg = AutoConfig.from_pretrained(base_dir)
+    cfg.num_hidden_layers = 2  # the adapter only targets layers 0-1: quick to make
+    cfg.vocab_size = 64  # and holds no embedding
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(
+        LlamaForCausalLM(cfg),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                        init_lora_weights=False),
+    )
+    if fill is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.fill_(fill)
+    model.save_pretrained(out, save_embedding_layers=False)
+    return out
