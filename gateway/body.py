@@ -23,6 +23,20 @@ async def read_body(
 ) -> Body:
     """The body, at most `limit` bytes, parsed and validated strictly as `schema`. An empty
     body is `default`, or a 400 when there is none."""
+    raw = await read_capped(request, limit)
+    if not raw.strip():
+        if default is not None:
+            return default
+        raise bad_request("The request body is empty; expected a JSON object.")
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as e:
+        raise from_validation(e.errors()) from None
+
+
+async def read_capped(request: Request, limit: int) -> bytes:
+    """The raw body; a 413 as soon as it is known to exceed `limit` bytes (from
+    Content-Length, or while streaming), without reading further."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large(limit)
@@ -32,12 +46,4 @@ async def read_body(
         if size > limit:
             raise too_large(limit)
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        if default is not None:
-            return default
-        raise bad_request("The request body is empty; expected a JSON object.")
-    try:
-        return schema.model_validate_json(raw)
-    except ValidationError as e:
-        raise from_validation(e.errors()) from None
+    return b"".join(chunks)

@@ -29,7 +29,8 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from gateway.errors import APIError, install_error_handlers, too_large
+from gateway.body import read_capped
+from gateway.errors import APIError, install_error_handlers
 from router import proxy
 from router.pool import ReplicaPool
 from router.registry import HEARTBEAT_S, ReplicaInfo
@@ -88,7 +89,7 @@ def create_router_app(redis_url: str, max_body_bytes: int) -> FastAPI:
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(request: Request, path: str) -> Response:
-        body = await read_body(request, max_body_bytes)
+        body = await read_capped(request, max_body_bytes)
         session, creates = _session_of(request, body)
         affinity = await _get_affinity(redis, session) if session else None
         prefix = None if session else _prefix_key(request, body)
@@ -130,20 +131,6 @@ def replica_failed(replica: ReplicaInfo, e: Exception) -> APIError:
 def no_replica() -> APIError:
     return APIError(503, "No healthy replica is available; retry shortly.", "server_error",
                     code="no_replica", headers={"Retry-After": str(int(HEARTBEAT_S * 2))})
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body (a refused connection can then be retried elsewhere), at most `limit`."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _done(pool: ReplicaPool, replica: ReplicaInfo) -> None:
