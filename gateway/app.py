@@ -115,7 +115,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
     ) -> Response:
         await ensure_adapter(rt, tenant, body.model)
         adapter = resolve_adapter(body.model, config.model_name, tenant, rt.engine.adapters)
-        constraint = resolve_constraint(body)
+        resolve_constraint(body)  # a malformed constraint is a 400 even before the model is ready
         turn = await resolve_session(body, tenant, rt.sessions)
         tok, facts = rt.require_ready()
         if isinstance(body, ChatCompletionRequest):
@@ -129,6 +129,8 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
             rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket, rt.metrics,
             turn.session.id if turn else None,
         )
+        # The jobs' constraint, in the call format of the model's chat template for tool calls.
+        constraint = jobs[0].params.constraint
         try:
             if constraint is not None:  # a schema no backend compiles is a 400 now, not later
                 await _compile(rt, constraint)

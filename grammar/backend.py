@@ -55,6 +55,14 @@ class Matcher(ABC):
         """
 
 
+def bitmask_row(bitmask: torch.Tensor, row: int) -> torch.Tensor:
+    """`bitmask[row]`, checked to be what backends that write through a raw pointer need."""
+    r = bitmask[row]  # (W,)
+    if r.device.type != "cpu" or r.dtype != torch.int32 or not r.is_contiguous():
+        raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+    return r
+
+
 @dataclass(frozen=True)
 class CompiledGrammar:
     """A compiled constraint, shared (cached) across requests; make one matcher each."""

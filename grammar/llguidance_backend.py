@@ -14,7 +14,7 @@ import llguidance as llg
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
-from grammar.backend import Backend, BackendError, Matcher
+from grammar.backend import Backend, BackendError, Matcher, bitmask_row
 from grammar.rewrite import ascii_digits, rewrite_schema
 from grammar.spec import ConstraintSpec
 from grammar.tools import tool_calls_lark
@@ -99,9 +99,7 @@ class LLGuidanceMatcher(Matcher):
         self._terminated = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        r = bitmask[row]  # (W,)
-        if r.device.type != "cpu" or r.dtype != torch.int32 or not r.is_contiguous():
-            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        r = bitmask_row(bitmask, row)  # (W,)
         if self._terminated:
             r.zero_()
         else:

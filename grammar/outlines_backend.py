@@ -10,7 +10,7 @@ import outlines_core as oc
 import torch
 from outlines_core.json_schema import build_regex_from_schema
 
-from grammar.backend import Backend, BackendError, Matcher
+from grammar.backend import Backend, BackendError, Matcher, bitmask_row
 from grammar.rewrite import ascii_digits
 from grammar.spec import ConstraintSpec
 from grammar.vocab import TokenVocab
@@ -29,9 +29,7 @@ class OutlinesMatcher(Matcher):
         self._terminated = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        r = bitmask[row]  # (W,)
-        if r.device.type != "cpu" or r.dtype != torch.int32 or not r.is_contiguous():
-            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        r = bitmask_row(bitmask, row)  # (W,)
         if self._terminated:
             r.zero_()
         else:

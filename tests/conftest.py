@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -87,6 +88,16 @@ class GatewayServer:
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
+
+    def metrics(self) -> dict[str, float]:
+        return read_metrics(self.url)
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """A server's /metrics as {series (name with labels): value}."""
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines
+            if ln and not ln.startswith("#")}
 
 
 @pytest.fixture(scope="session")

@@ -31,20 +31,11 @@ def _headers(server: GatewayServer, key: str | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key or server.api_key}"}
 
 
-def _metrics(server: GatewayServer) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def _wait_idle(server: GatewayServer, timeout: float = 30) -> dict[str, float]:
     """Nothing running, queued or holding KV pages."""
     deadline = time.monotonic() + timeout
     while True:
-        m = _metrics(server)
+        m = server.metrics()
         if (m["switchboard_kv_pages_used"], m["switchboard_running_batch_size"],
                 m["switchboard_queue_depth"]) == (0, 0, 0):
             return m
@@ -82,7 +73,7 @@ def test_overload_is_a_429_within_milliseconds(gateway_server: GatewayServer) ->
 
     async def until(metric: str, value: int) -> None:
         deadline = time.monotonic() + 60
-        while _metrics(srv)[metric] < value:
+        while srv.metrics()[metric] < value:
             assert time.monotonic() < deadline, metric
             await asyncio.sleep(0.05)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, THREADS, _wait_for_banner
+from conftest import ROOT, THREADS, _wait_for_banner, read_metrics
 
 MODEL = "SmolLM2-135M-Instruct"
 OUTAGE_S = 10.0  # the outage; the test mostly waits through it
@@ -81,9 +81,7 @@ class Server:
         return httpx.post(self.url + path, json=body, timeout=timeout)
 
     def metrics(self) -> dict[str, float]:
-        lines = httpx.get(self.url + "/metrics").text.splitlines()
-        return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines
-                if ln and not ln.startswith("#")}
+        return read_metrics(self.url)
 
     def wait(self, metric: str, value: float, timeout: float = 30) -> dict[str, float]:
         deadline = time.monotonic() + timeout

@@ -42,15 +42,6 @@ def _headers(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def _metrics(server: GatewayServer) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def test_health_ready_and_models(server: GatewayServer, client: OpenAI) -> None:
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200
@@ -217,7 +208,7 @@ def test_other_client_errors(server: GatewayServer, client: OpenAI) -> None:
 
 def test_metrics_expose_the_histograms(server: GatewayServer, client: OpenAI) -> None:
     client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2)
-    m = _metrics(server)
+    m = server.metrics()
     assert m["switchboard_time_to_first_token_seconds_count"] >= 1
     assert m["switchboard_time_per_output_token_seconds_count"] >= 1
     assert 'switchboard_time_to_first_token_seconds_bucket{le="+Inf"}' in m
@@ -231,7 +222,7 @@ def test_metrics_expose_the_histograms(server: GatewayServer, client: OpenAI) ->
 def _wait_pages_free(server: GatewayServer, timeout: float = 60) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
-        m = _metrics(server)
+        m = server.metrics()
         if m["switchboard_kv_pages_used"] == 0 and m["switchboard_running_batch_size"] == 0:
             return m
         assert time.monotonic() < deadline, m
@@ -252,14 +243,14 @@ def test_an_aborted_stream_frees_its_pages(server: GatewayServer) -> None:
         for _ in range(3):
             while not next(lines).startswith("data:"):
                 pass
-        assert _metrics(server)["switchboard_kv_pages_used"] > 0
+        assert server.metrics()["switchboard_kv_pages_used"] > 0
     m = _wait_pages_free(server, timeout=30)  # the client went away mid-stream
     assert m['switchboard_sequences_finished_total{finish_reason="abort"}'] >= 1
 
 
 def test_a_client_gone_before_the_answer_frees_its_pages(server: GatewayServer) -> None:
     _wait_pages_free(server)
-    aborted = _metrics(server).get('switchboard_sequences_finished_total{finish_reason="abort"}', 0)
+    aborted = server.metrics().get('switchboard_sequences_finished_total{finish_reason="abort"}', 0)
     body = {"model": server.model, "messages": CHAT, "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting
         httpx.post(server.base_url + "/chat/completions", json=body,

@@ -24,6 +24,8 @@ import pytest
 from openai import OpenAI
 from safetensors.numpy import save_file
 
+from tests.conftest import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "SmolLM2-135M-Instruct"
 KEYS = {"sk-lora-alpha": "alpha", "sk-lora-beta": "beta"}
@@ -224,15 +226,6 @@ def test_bad_requests(server: Server, bot: str, tmp_path: Path) -> None:
     assert httpx.delete(f"{server.v1}/adapters/nope", headers=auth()).status_code == 404
 
 
-def metrics(server: Server) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith("switchboard_adapter"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def test_more_adapters_than_slots_and_delete(server: Server, bot: str, tmp_path: Path) -> None:
     extra = [f"tenant-bot-{i}" for i in range(3)]
     for i, name in enumerate(extra):
@@ -243,7 +236,7 @@ def test_more_adapters_than_slots_and_delete(server: Server, bot: str, tmp_path:
         replies = list(pool.map(lambda m: c.chat.completions.create(
             model=m, messages=[{"role": "user", "content": "Hello"}], max_tokens=3), models))
     assert all(r.choices[0].finish_reason == "length" for r in replies)
-    m = metrics(server)
+    m = read_metrics(server.url)
     assert m['switchboard_adapter_loads_total{tier="device"}'] >= 4
     assert m['switchboard_adapter_evictions_total{tier="device"}'] >= 2
     assert m['switchboard_adapters_resident{tier="device"}'] == 2
