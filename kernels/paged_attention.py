@@ -11,7 +11,9 @@ there, so both kernels read every key from the cache.
   captured for one batch size replays for any context lengths, and a padded graph batch adds
   up the same splits as an eager one of its size.
 - prefill / extend: a chunk of new tokens attends causally to its cached context and itself;
-  one program per (query block, head, sequence).
+  one program per (query block, KV head, sequence), its tile holding the block's queries for
+  every query head of that KV head; a short chunk on a long context also splits the context
+  over programs and merges the splits as decode does.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import triton
 import triton.language as tl
 
 # Decode: (BLOCK_N, num_warps, num_stages, waves of programs the splits aim for), for small
-# and large batches (x KV heads); prefill: (BLOCK_M, BLOCK_N, num_warps, num_stages). From the
+# and large batches (x KV heads); prefill: (tile rows = queries x grouped heads, BLOCK_N,
+# num_warps, num_stages, waves). From the
 # H100 sweep in `kernels.tune` (8B shapes, 1k contexts): 0.82 of copy bandwidth at batch 64.
 DECODE_CONFIG = (64, 4, 3, 4)
 DECODE_CONFIG_LARGE = (32, 4, 2, 4)  # batch x KV heads >= 256
-PREFILL_CONFIG = (64, 32, 4, 2)  # 170-200 TFLOP/s at 2k-token prompts
+PREFILL_CONFIG = (64, 32, 4, 2, 2)  # + waves of programs a short chunk's splits aim for
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, page_size, scale, out) -> None:
@@ -196,24 +199,45 @@ def paged_prefill_triton(
     page_size: int,
     scale: float,
     out: torch.Tensor,
-    config: tuple[int, int, int, int] = PREFILL_CONFIG,
+    config: tuple[int, int, int, int, int] = PREFILL_CONFIG,
 ) -> None:
-    """Same contract as `paged_prefill_torch`."""
-    block_m, block_n, num_warps, num_stages = config
-    heads, dim = q.shape[1], q.shape[2]
+    """Same contract as `paged_prefill_torch`.
+
+    A program takes `BLOCK_M` queries of one sequence with all the query heads of one KV head
+    (each K/V load serves them all). Long chunks have programs to spare; a short chunk on a
+    long context (a cached session's next turn) has few, so its context is split over programs
+    as decode's is, and `_decode_merge_kernel` merges the splits per (token, head).
+    """
+    block_m, block_n, num_warps, num_stages, waves = config
+    tokens, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
         return
-    grid = (triton.cdiv(max_query_len, block_m), heads, num_seqs)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start, seq_lens, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+    group = heads // kv_heads
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(1, block_m // g_pad)  # queries per program: BLOCK_M x G_PAD tile rows
+    q_blocks = triton.cdiv(max_query_len, block_m)
+    splits = num_splits(q_blocks * kv_heads * num_seqs, waves, q.device)
+    part_o = part_ml = out  # unused without splits
+    if splits > 1:
+        part_o = q.new_empty(tokens, heads, splits, dim, dtype=torch.float32)
+        part_ml = q.new_empty(tokens, heads, splits, 2, dtype=torch.float32)
+    d_pad = max(16, triton.next_power_of_2(dim))
+    _prefill_kernel[(q_blocks, kv_heads, num_seqs * splits)](
+        q, k_cache, v_cache, block_tables, query_start, seq_lens, out, part_o, part_ml, scale,
+        splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=heads // k_cache.shape[1], D=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
-        PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_interpreted(),
-        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages,
+        G=group, G_PAD=g_pad, D=dim, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m,
+        BLOCK_N=block_n, SPLIT=splits > 1, UPCAST=_interpreted(), PRECISION=_precision(q),
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if splits > 1:
+        _decode_merge_kernel[(tokens, heads)](
+            part_o, part_ml, out, out.stride(0), out.stride(1),
+            SPLITS=splits, D=dim, D_PAD=d_pad, num_warps=4,
+        )
 
 
 def num_splits(programs: int, waves: int, device: torch.device) -> int:
@@ -309,35 +333,43 @@ def _decode_merge_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, qstart_ptr, lens_ptr, out_ptr, scale,
-    s_q_t, s_q_h, s_k_slot, s_k_h, s_v_slot, s_v_h, s_t_b, s_o_t, s_o_h,
-    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, qstart_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    scale, splits, s_q_t, s_q_h, s_k_slot, s_k_h, s_v_slot, s_v_h, s_t_b, s_o_t, s_o_h,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # One program: BLOCK_M queries of one sequence x one head (flash attention, causal).
-    pid_m, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # One program: BLOCK_M queries x the G query heads of one KV head, of one sequence, over
+    # one split of the keys they see (flash attention, causal). Tile row r is query
+    # r // G_PAD, head r % G_PAD of the group.
+    pid_m, kvh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, split = pid_s // splits, pid_s % splits
     q0 = tl.load(qstart_ptr + s)
     num_q = tl.load(qstart_ptr + s + 1) - q0
     if pid_m * BLOCK_M >= num_q:
         return
     ctx = tl.load(lens_ptr + s)
-    kvh = h // G
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_q
-    q_pos = ctx - num_q + rows  # (BLOCK_M,) absolute positions
+    r = tl.arange(0, BLOCK_M * G_PAD)
+    query = pid_m * BLOCK_M + r // G_PAD
+    head = kvh * G + r % G_PAD
+    row_ok = (query < num_q) & (r % G_PAD < G)
+    q_pos = ctx - num_q + query  # absolute positions
     d = tl.arange(0, D_PAD)
     d_ok = d < D
-    q = tl.load(q_ptr + (q0 + rows)[:, None] * s_q_t + h * s_q_h + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, D_PAD)
+    q = tl.load(q_ptr + (q0 + query)[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M * G_PAD, D_PAD)
     if UPCAST:
         q = q.to(tl.float32)
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_sum = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    m = tl.full((BLOCK_M * G_PAD,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_M * G_PAD,), tl.float32)
+    acc = tl.zeros((BLOCK_M * G_PAD, D_PAD), tl.float32)
     table = tables_ptr + s.to(tl.int64) * s_t_b
-    hi = tl.minimum(ctx, ctx - num_q + (pid_m + 1) * BLOCK_M)  # past the block's last query
-    for start in range(0, hi, BLOCK_N):
+    # Keys the block sees end past its last query; this split takes one chunk of them.
+    seen = tl.minimum(ctx, ctx - num_q + (pid_m + 1) * BLOCK_M)
+    chunk = tl.cdiv(tl.cdiv(seen, splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seen)
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < hi
         page = tl.load(table + pos // PAGE, mask=ok, other=0).to(tl.int64)
@@ -349,18 +381,26 @@ def _prefill_kernel(
                     mask=kv_mask, other=0.0)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
-        # Key 0 is visible to every query, so each row's max is finite from the first block.
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BLOCK_N)
         sc = tl.where(ok[None, :] & (pos[None, :] <= q_pos[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
+        # A row may see none of a split's first keys (causal): keep its max finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    acc = acc / l_sum[:, None]
-    tl.store(out_ptr + (q0 + rows)[:, None] * s_o_t + h * s_o_h + d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:  # partials [T, H, splits, D] and (max, sum); key 0 is in split 0, so l > 0
+        row = ((q0 + query) * (G * tl.num_programs(1)) + head) * splits + split
+        tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_ml_ptr + row * 2, m, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_sum, mask=row_ok)
+    else:
+        acc = acc / l_sum[:, None]
+        tl.store(out_ptr + (q0 + query)[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _interpreted() -> bool:

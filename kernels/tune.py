@@ -92,10 +92,11 @@ def sweep_decode(copy_bw: float, quick: bool) -> dict:
 
 def sweep_prefill(quick: bool) -> dict:
     results = {}
-    configs = list(itertools.product([64, 128], [32, 64], [4, 8], [2, 3]))
+    configs = list(itertools.product([32, 64, 128], [32, 64], [4, 8], [2, 3], [1, 2, 4]))
     if quick:
         configs = [pa.PREFILL_CONFIG]
-    cases = {"2048 new": ([2048], [2048]), "8x512 new on 512 cached": ([1024] * 8, [512] * 8)}
+    cases = {"2048 new": ([2048], [2048]), "8x512 new on 512 cached": ([1024] * 8, [512] * 8),
+             "65 new on 4096 cached": ([4161], [65])}
     for name, (ctx_lens, q_lens) in cases.items():
         k, v, tables, lens = paged_inputs(ctx_lens)
         q = torch.randn(sum(q_lens), H, D, device="cuda", dtype=BF16)

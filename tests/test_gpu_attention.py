@@ -113,6 +113,17 @@ def test_prefill_tiny(dtype, kv_heads):
     check_prefill(ctx_lens, q_lens, kv_heads=kv_heads, dtype=dtype, device=DEVICE, **TINY)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (6, 2)])
+def test_extend_split_tiny(dtype, heads, kv_heads):
+    # Short chunks on long contexts: few programs, so the context is split over programs and
+    # merged; the last chunk's 3 queries see different numbers of keys in the last split.
+    assert pa.num_splits(2 * kv_heads, pa.PREFILL_CONFIG[4], torch.device(DEVICE)) > 1
+    ctx_lens, q_lens = [150, 37], [3, 1]
+    check_prefill(ctx_lens, q_lens, heads, kv_heads, dim=16, page_size=4, dtype=dtype,
+                  device=DEVICE)
+
+
 def test_references_match_token_loop():
     """The torch references equal attention written as the Semantics loop (float64)."""
     ctx_lens, q_lens, heads, kv_heads, dim, ps = [3, 9, 17], [3, 2, 5], 4, 2, 8, 4
@@ -158,3 +169,10 @@ def test_decode_gpu(batch):
 def test_prefill_gpu():
     ctx_lens, q_lens = [512, 1000, 77, 2048, 300], [512, 13, 1, 700, 64]
     check_prefill(ctx_lens, q_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_extend_split_gpu():
+    # A cached session's next turn: 65 new tokens on 4k of history (the context is split).
+    check_prefill([4161], [65], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    check_prefill([4161, 3000, 100], [65, 1, 17], 32, 8, 128, 16, torch.bfloat16, "cuda")
