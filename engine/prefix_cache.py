@@ -131,7 +131,10 @@ class PrefixCache:
             pass
         if short > self.tree.evictable_pages:
             return False
-        self.allocator.free(self.tree.evict(short))
+        # Evicting scans the whole tree, and decode asks for a page or two at a time: take a
+        # 1/64 of the pool per scan (at least what is short), so the scans stay rare.
+        batch = max(short, self.allocator.num_pages // 64)
+        self.allocator.free(self.tree.evict(min(batch, self.tree.evictable_pages)))
         return True
 
     def release_session(self, session_id: str) -> None:
