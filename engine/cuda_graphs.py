@@ -16,6 +16,35 @@ from lora.batch import LoraBatchInfo
 from lora.layers import LoraContext
 
 
+def capture_graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm `forward` up on a side stream (compiles kernels, outside the capture), then capture
+    it into `pool`; returns the graph and the output it writes."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
+def _set_lora(lora: LoraContext | None, token_slots: torch.Tensor, with_lora: bool) -> None:
+    """The LoRA wrappers read `lora.info` while being captured: BGMV over the static per-token
+    slots (segments would make the grid depend on the batch's adapters), or none."""
+    if lora is not None:
+        empty = token_slots[:0]
+        lora.info = (LoraBatchInfo(token_slots, empty, empty, 0, use_sgmv=False, has_lora=True)
+                     if with_lora else None)
+
+
+def _put(dst: torch.Tensor, values: list[int]) -> None:
+    """Copy host ints into a static buffer without waiting (through pinned memory)."""
+    src = torch.tensor(values, dtype=dst.dtype, pin_memory=True)
+    dst.copy_(src.view(dst.shape), non_blocking=True)
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to 128 and every 32 beyond, capped at `max_batch`."""
     sizes = [1, 2, 4, 8] + list(range(16, 129, 16)) + list(range(160, max_batch + 1, 32))
@@ -61,16 +90,8 @@ class DecodeGraphs:
         variants = (False, True) if self.lora is not None else (False,)
         for b in reversed(self.sizes):
             for with_lora in variants:
-                self._set_lora(b, with_lora)
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm-up: compiles kernels, outside capture
-                    self._forward(b)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(b)
-                self.graphs[(b, with_lora)] = (graph, logits)
+                _set_lora(self.lora, self.token_slots[:b], with_lora)
+                self.graphs[(b, with_lora)] = capture_graph(lambda b=b: self._forward(b), pool)
         if self.lora is not None:
             self.lora.info = None
         torch.cuda.synchronize()
@@ -126,14 +147,114 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
-    def _set_lora(self, b: int, with_lora: bool) -> None:
-        """The LoRA wrappers read `lora.info` while being captured: BGMV over the static slots
-        (segments would make the grid depend on the batch's adapters), or none."""
-        if self.lora is None:
-            return
-        empty = self.token_slots[:0]
-        self.lora.info = (
-            LoraBatchInfo(self.token_slots[:b], empty, empty, 0, use_sgmv=False, has_lora=True)
-            if with_lora
-            else None
+
+
+def extend_sizes(max_tokens: int) -> list[int]:
+    """Padded chunk lengths of the extend graphs: 16, 32, ... 256, capped at `max_tokens`."""
+    return sorted({min(s, max_tokens) for s in (16, 32, 64, 128, 256)})
+
+
+class ExtendGraphs:
+    """CUDA graphs of one sequence's short last chunk: a cached session's next turn, whose
+    eager forward would cost more host time launching kernels than GPU time running them.
+
+    A chunk of `n` new tokens on a context of `ctx` replays the graph of the smallest size
+    `b >= n`: the chunk becomes `b` queries at positions `ctx - n .. ctx - n + b - 1`. The
+    `b - n` padding queries come after the real ones, so causality hides them from every real
+    query; they write their K/V to the pad page, read the pad page past the context, and only
+    the last real token's logits are kept.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        page_size: int,
+        pad_page: int,
+        max_tokens: int,
+        max_pages_per_seq: int,
+        lora: LoraContext | None,
+    ):
+        self.model, self.kv_caches, self.lora = model, kv_caches, lora
+        self.page_size, self.pad_page = page_size, pad_page
+        self.sizes = extend_sizes(max_tokens)
+        self.max_pages = max_pages_per_seq
+        device = model.embed_tokens.weight.device
+        b = self.sizes[-1]
+
+        def buf(*shape, dtype=torch.int32, fill=0):
+            return torch.full(shape, fill, dtype=dtype, device=device)
+
+        self.input_ids = buf(b, dtype=torch.long)
+        self.positions = buf(b, dtype=torch.long)
+        self.slot_mapping = buf(b, dtype=torch.long, fill=pad_page * page_size)
+        self.table = buf(1, max_pages_per_seq, fill=pad_page)
+        self.lens = buf(1, fill=b)
+        self.sample_row = buf(1, dtype=torch.long)
+        self.token_slots = buf(b, fill=-1)
+        self.query_start = {s: torch.tensor([0, s], dtype=torch.int32, device=device)
+                            for s in self.sizes}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def fits(self, num_tokens: int, context: int) -> bool:
+        """A chunk of `num_tokens` ending at `context` tokens; its padding's positions must
+        stay inside the table too."""
+        if not 1 < num_tokens <= self.sizes[-1]:
+            return False
+        b = next(s for s in self.sizes if s >= num_tokens)
+        return context - num_tokens + b <= self.max_pages * self.page_size
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        variants = (False, True) if self.lora is not None else (False,)
+        for b in reversed(self.sizes):
+            for with_lora in variants:
+                _set_lora(self.lora, self.token_slots[:b], with_lora)
+                self.graphs[(b, with_lora)] = capture_graph(lambda b=b: self._forward(b), pool)
+        if self.lora is not None:
+            self.lora.info = None
+        torch.cuda.synchronize()
+
+    def run(
+        self,
+        input_ids: list[int],
+        start: int,
+        slots: list[int],
+        pages: list[int],
+        lora_slot: int | None,
+    ) -> torch.Tensor:
+        """Replay for a chunk of `n = len(input_ids)` tokens at positions `start..start+n-1`
+        (`slots` their KV slots, `pages` the sequence's pages covering them). Returns the fp32
+        logits [1, vocab] of its last token (a view, valid until the next replay)."""
+        n = len(input_ids)
+        b = next(s for s in self.sizes if s >= n)
+        pad = b - n
+        _put(self.input_ids[:b], input_ids + [0] * pad)
+        _put(self.positions[:b], list(range(start, start + n)) + [0] * pad)
+        _put(self.slot_mapping[:b], slots + [self.pad_page * self.page_size] * pad)
+        _put(self.table, pages + [self.pad_page] * (self.max_pages - len(pages)))
+        _put(self.lens, [start + b])
+        _put(self.sample_row, [n - 1])
+        with_lora = lora_slot is not None
+        if with_lora:
+            _put(self.token_slots[:b], [lora_slot] * n + [-1] * pad)
+        graph, logits = self.graphs[(b, with_lora)]
+        graph.replay()
+        return logits
+
+    def _forward(self, b: int) -> torch.Tensor:
+        empty = self.lens[:0]
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b],
+            page_size=self.page_size,
+            num_decodes=0,
+            decode_tables=self.table[:0],
+            decode_lens=empty,
+            prefill_tables=self.table,
+            prefill_query_start=self.query_start[b],
+            prefill_lens=self.lens,
+            max_prefill_len=b,
         )
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+        return self.model.compute_logits(hidden.index_select(0, self.sample_row))

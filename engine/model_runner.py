@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, ExtendGraphs
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SampleResult
@@ -18,6 +18,8 @@ from engine.scheduler import Batch, ScheduledSeq
 from engine.structured import GrammarStage
 from kernels.attention import AttentionMetadata
 from lora.layers import LoraContext
+
+EXTEND_GRAPH_TOKENS = 256  # chunks up to this long replay a graph when alone in their step
 
 
 class ModelRunner:
@@ -54,13 +56,19 @@ class ModelRunner:
         self.device = w.device
         self.sampler = Sampler(seed)
         self.graphs: DecodeGraphs | None = None
+        self.extend_graphs: ExtendGraphs | None = None
         if cuda_graph_max_batch > 0 and self.device.type == "cuda":
-            max_pages = -(-(max_model_len or num_pages * page_size) // page_size)
+            max_pages = min(-(-(max_model_len or num_pages * page_size) // page_size), num_pages)
             self.graphs = DecodeGraphs(
                 model, self.kv_caches, page_size, self.pad_page, cuda_graph_max_batch,
-                min(max_pages, num_pages), lora,
+                max_pages, lora,
             )
             self.graphs.capture()
+            self.extend_graphs = ExtendGraphs(
+                model, self.kv_caches, page_size, self.pad_page, EXTEND_GRAPH_TOKENS, max_pages,
+                lora,
+            )
+            self.extend_graphs.capture()
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[SampleResult]:
@@ -93,8 +101,13 @@ class ModelRunner:
         return s.num_new_tokens != 1, self.lora.slot_of(s.request) if self.lora else -1
 
     def _graph_logits(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
-        """Logits of a decode-only step from a CUDA graph; None when no graph fits it."""
-        if self.graphs is None or any(s.num_new_tokens != 1 or not s.samples for s in seqs):
+        """Logits of a decode-only step, or of one sequence's short last chunk, from a CUDA
+        graph; None when no graph fits the step."""
+        if self.graphs is None or not all(s.samples for s in seqs):
+            return None
+        if len(seqs) == 1 and seqs[0].num_new_tokens > 1:
+            return self._extend_graph_logits(seqs[0])
+        if any(s.num_new_tokens != 1 for s in seqs):
             return None
         tables = [self._pages(s.request.pages, s.start + 1) for s in seqs]
         if not self.graphs.fits(len(seqs), max(len(t) for t in tables)):
@@ -110,6 +123,19 @@ class ModelRunner:
             [self._slot(s.request.pages, s.start) for s in seqs],
             tables,
             lora_slots,
+        )
+
+    def _extend_graph_logits(self, seq: ScheduledSeq) -> torch.Tensor | None:
+        req, start, n = seq.request, seq.start, seq.num_new_tokens
+        if not self.extend_graphs.fits(n, start + n):
+            return None
+        slot = self.lora.slot_of(req) if self.lora is not None else -1
+        return self.extend_graphs.run(
+            req.token_ids[start : start + n],
+            start,
+            [self._slot(req.pages, p) for p in range(start, start + n)],
+            self._pages(req.pages, start + n),
+            slot if slot >= 0 else None,
         )
 
     def _pages(self, pages: list[int], num_tokens: int) -> list[int]:

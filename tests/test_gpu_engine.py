@@ -85,3 +85,31 @@ def test_bf16_graphs_match_eager(tiny):
     eager, _ = generate(base, {}, requests, device="cuda", dtype="bfloat16", cuda_graphs=False)
     graphed, graphs = generate(base, {}, requests, device="cuda", dtype="bfloat16")
     assert graphs is not None and graphed == eager
+
+
+def test_extend_graphs_match_cpu(tiny):
+    """Requests run one at a time, so each prompt is a chunk alone in its step and replays an
+    extend graph (padded to 16, 32 or 64 tokens); the later prompts extend the earlier ones,
+    so their chunks attend to cached context too. Tokens equal the CPU path's."""
+    from engine import LLM, SamplingParams
+
+    base, adapters = tiny
+    gen = torch.Generator().manual_seed(1)
+    first = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 40, 70)]
+    prompts = first + [p + torch.randint(0, VOCAB, (9,), generator=gen).tolist() for p in first]
+    requests = [None, "all8", None, None, "all8", None]
+    outs, replays = {}, []
+    for device in ("cpu", "cuda"):
+        llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device)
+        for name, path in adapters.items():
+            llm.load_adapter(name, path)
+        if device == "cuda":  # count the chunks that replayed a graph
+            graphs = llm.engine.runner.extend_graphs
+            graphs.run = lambda *a, run=graphs.run: replays.append(len(a[0])) or run(*a)
+        outs[device] = [
+            llm.generate([p], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                             adapter=a))[0].token_ids
+            for p, a in zip(prompts, requests, strict=True)
+        ]
+    assert outs["cuda"] == outs["cpu"]
+    assert len(replays) == len(prompts) and max(replays) > 16, replays
