@@ -224,3 +224,42 @@ def test_empty_batch():
     t = sgmv.sgmv_shrink(x, a, indptr, idx, 0)
     sgmv.sgmv_expand(y, t, b, indptr, idx, torch.ones(2), 0)
     assert t.shape == (0, 8)
+
+
+SPLIT_CASES = [  # (SPLIT_K, expand slices); K = 200 splits into whole BLOCK_K tiles:
+    (1, (40, 24, 8)),  # one split
+    (3, (40, 24, 8)),  # 128 + 72, then an empty split
+    (4, (40,)),  # 64 + 64 + 64 + 8, one output slice (o_proj-like)
+    (8, (40, 24, 8)),  # seven 32-wide splits (the last 8 wide) and an empty one
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("split_k", "sizes"), SPLIT_CASES)
+def test_bgmv_split_k(triton_ready, monkeypatch, split_k, sizes, dtype):
+    """Split-K shrink partials (poisoned buffer: every split is written, base rows get zeros)
+    and the shrink + expand pair that sums them, against the torch reference."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"split{split_k}{dtype}".encode()))
+    k, rank, n = 200, 16, sum(sizes)
+    idx = torch.tensor([3, -1, 0, 5, 3, -1], dtype=torch.int32, device=DEVICE)  # mixed + base
+    x = torch.randn(6, k, generator=gen).to(DEVICE, dtype)
+    a = (torch.randn(NUM_SLOTS, len(sizes) * rank, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    b = (torch.randn(NUM_SLOTS, n, rank, generator=gen) / rank**0.5).to(DEVICE, dtype)
+    scales = (torch.rand(NUM_SLOTS, generator=gen) + 0.5).to(DEVICE)
+    config = (16, 1024, 4, 1)  # 16-row tiles: fewer programs for the interpreter
+    partials = torch.full((6, split_k, a.shape[1]), float("nan"), device=DEVICE)
+    bgmv._launch(x[:, None], a, partials, idx, None, config)
+    t_ref = bgmv.bgmv_shrink_torch(x, a, idx)
+    assert_close(partials.sum(1), t_ref, dtype)
+    assert not partials.isnan().any()
+    assert torch.equal(partials[idx < 0], torch.zeros_like(partials[idx < 0]))
+
+    monkeypatch.setattr(bgmv, "SHRINK_CONFIG", (*config, split_k))
+    assert_close(bgmv.bgmv_shrink_triton(x, a, idx), t_ref, dtype)
+    y = torch.randn(6, n, generator=gen).to(DEVICE, dtype)
+    y_tri, y_ref = y.clone(), y.clone()
+    bgmv.bgmv_shrink_expand_triton(y_tri, x, a, b, sizes, idx, scales)
+    bgmv.bgmv_shrink_expand_torch(y_ref, x, a, b, sizes, idx, scales)
+    assert_close(y_tri, y_ref, dtype)
+    assert torch.equal(y_tri[idx < 0], y[idx < 0])  # base rows untouched
+    assert not torch.equal(y_tri[idx >= 0], y[idx >= 0])
