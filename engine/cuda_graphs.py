@@ -150,8 +150,10 @@ class DecodeGraphs:
 
 
 def extend_sizes(max_tokens: int) -> list[int]:
-    """Padded chunk lengths of the extend graphs: 16, 32, ... 256, capped at `max_tokens`."""
-    return sorted({min(s, max_tokens) for s in (16, 32, 64, 128, 256)})
+    """Padded chunk lengths of the extend graphs: every 16 up to 128, then every 32 up to 256
+    (padding costs attention work), capped at `max_tokens`."""
+    sizes = list(range(16, 129, 16)) + list(range(160, 257, 32))
+    return sorted({min(s, max_tokens) for s in sizes})
 
 
 class ExtendGraphs:

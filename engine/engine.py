@@ -90,7 +90,9 @@ class LLMEngine:
         if n == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+        # set/min/max run in C: a 4k-token session turn checks in tens of microseconds.
+        ints = set(map(type, prompt_token_ids)) <= {int, bool}
+        if not ints or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(
                 f"prompt token ids must be integers in [0, {vocab})", "prompt"
             )
