@@ -8,6 +8,9 @@ each size has a second graph whose projections run BGMV over the static per-toke
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from engine.models.llama import LlamaForCausalLM
@@ -68,16 +71,36 @@ class DecodeGraphs:
         self.max_pages = max_pages_per_seq
         device = model.embed_tokens.weight.device
         b = self.sizes[-1]
-
-        def buf(*shape, dtype=torch.int32, fill=0):
-            return torch.full(shape, fill, dtype=dtype, device=device)
-
-        self.input_ids = buf(b, dtype=torch.long)
-        self.positions = buf(b, dtype=torch.long)
-        self.slot_mapping = buf(b, dtype=torch.long, fill=pad_page * page_size)
-        self.tables = buf(b, max_pages_per_seq, fill=pad_page)
-        self.lens = buf(b, fill=1)
-        self.token_slots = buf(b, fill=-1)
+        self.pad_slot = pad_page * page_size
+        # Every graph input lives in one device buffer mirrored by one pinned host buffer, so a
+        # step's inputs go up in one copy. The tables come last: the copy for a graph of size s
+        # ends after their row s. (name, dtype, shape, value of a padding row)
+        fields = [
+            ("input_ids", torch.long, (b,), 0),
+            ("positions", torch.long, (b,), 0),
+            ("slot_mapping", torch.long, (b,), self.pad_slot),
+            ("lens", torch.int32, (b,), 1),
+            ("token_slots", torch.int32, (b,), -1),
+            ("tables", torch.int32, (b, max_pages_per_seq), pad_page),
+        ]
+        offsets, size = [], 0
+        for _, dtype, shape, _ in fields:
+            offsets.append(size)
+            size += -(-dtype.itemsize * math.prod(shape) // 256) * 256  # 256-byte aligned
+        self._host_buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self._dev_buf = torch.empty(size, dtype=torch.uint8, device=device)
+        self._host: dict[str, np.ndarray] = {}
+        for (name, dtype, shape, fill), start in zip(fields, offsets, strict=True):
+            end = start + dtype.itemsize * math.prod(shape)
+            host = self._host_buf[start:end].view(dtype).view(shape)
+            host.fill_(fill)
+            self._host[name] = host.numpy()
+            setattr(self, name, self._dev_buf[start:end].view(dtype).view(shape))
+        self._dev_buf.copy_(self._host_buf)
+        self._tables_start = offsets[-1]
+        self._table_bytes = 4 * max_pages_per_seq  # one row
+        self._rows: list[list[int] | None] = [None] * b  # the pages each host table row holds
+        self._copied = torch.cuda.Event()  # the last copy out of the host buffer has been done
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fits(self, num_seqs: int, max_pages: int) -> bool:
@@ -109,24 +132,32 @@ class DecodeGraphs:
         graph's output, valid until the next replay)."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
-        pad = b - n
-        width = max(len(t) for t in tables)
-        flat = [p for t in tables for p in t + [0] * (width - len(t))]
-        flat += [self.pad_page] * (pad * width)
-        lens = [pos + 1 for pos in positions] + [1] * pad
-
-        def put(dst: torch.Tensor, values: list[int]) -> None:
-            src = torch.tensor(values, dtype=dst.dtype, pin_memory=True)
-            dst.copy_(src.view(dst.shape), non_blocking=True)
-
-        put(self.input_ids[:b], input_ids + [0] * pad)
-        put(self.positions[:b], positions + [0] * pad)
-        put(self.slot_mapping[:b], slots + [self.pad_page * self.page_size] * pad)
-        put(self.tables[:b, :width], flat)
-        put(self.lens[:b], lens)
+        # The host buffer is rewritten only once the previous step's copy out of it has run.
+        self._copied.synchronize()
+        h = self._host
+        h["input_ids"][:n] = input_ids
+        h["positions"][:n] = positions
+        h["slot_mapping"][:n] = slots
+        h["lens"][:n] = positions
+        h["lens"][:n] += 1
+        for i, pages in enumerate(tables):  # a row is rewritten only when its pages changed
+            if self._rows[i] != pages:
+                h["tables"][i, : len(pages)] = pages
+                self._rows[i] = list(pages)
+        # Padding rows: token 0 at position 0, written to the pad page, which it attends to.
+        h["input_ids"][n:b] = 0
+        h["positions"][n:b] = 0
+        h["slot_mapping"][n:b] = self.pad_slot
+        h["lens"][n:b] = 1
+        h["tables"][n:b, 0] = self.pad_page
+        self._rows[n:b] = [None] * (b - n)
         with_lora = lora_slots is not None
         if with_lora:
-            put(self.token_slots[:b], lora_slots + [-1] * pad)
+            h["token_slots"][:n] = lora_slots
+            h["token_slots"][n:b] = -1
+        end = self._tables_start + b * self._table_bytes
+        self._dev_buf[:end].copy_(self._host_buf[:end], non_blocking=True)
+        self._copied.record()
         graph, logits = self.graphs[(b, with_lora)]
         graph.replay()
         return logits[:n]
