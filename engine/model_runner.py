@@ -108,13 +108,19 @@ class ModelRunner:
     def _graph_logits(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """Logits of a decode-only step, or of one sequence's short last chunk, from a CUDA
         graph; None when no graph fits the step."""
-        if self.graphs is None or not all(s.samples for s in seqs):
+        if self.graphs is None:
             return None
         if len(seqs) == 1 and seqs[0].num_new_tokens > 1:
-            return self._extend_graph_logits(seqs[0])
-        if any(s.num_new_tokens != 1 for s in seqs):
-            return None
-        tables = [self._pages(s.request.pages, s.start + 1) for s in seqs]
+            return self._extend_graph_logits(seqs[0]) if seqs[0].samples else None
+        ids, positions, slots, tables = [], [], [], []
+        for s in seqs:
+            if s.num_new_tokens != 1 or not s.samples:
+                return None
+            req, pos = s.request, s.start
+            ids.append(req.token_ids[pos])
+            positions.append(pos)
+            slots.append(self._slot(req.pages, pos))
+            tables.append(self._pages(req.pages, pos + 1))
         if not self.graphs.fits(len(seqs), max(len(t) for t in tables)):
             return None
         lora_slots = None
@@ -122,13 +128,7 @@ class ModelRunner:
             lora_slots = [self.lora.slot_of(s.request) for s in seqs]
             if all(slot < 0 for slot in lora_slots):
                 lora_slots = None
-        return self.graphs.run(
-            [s.request.token_ids[s.start] for s in seqs],
-            [s.start for s in seqs],
-            [self._slot(s.request.pages, s.start) for s in seqs],
-            tables,
-            lora_slots,
-        )
+        return self.graphs.run(ids, positions, slots, tables, lora_slots)
 
     def _extend_graph_logits(self, seq: ScheduledSeq) -> torch.Tensor | None:
         req, start, n = seq.request, seq.start, seq.num_new_tokens
@@ -201,15 +201,17 @@ class ModelRunner:
 
     def _upload(self, parts: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
         """Several index lists as one host tensor (pinned on a GPU) and one non-blocking copy;
-        returns a view per list, each starting 16-byte aligned (Triton specializes on that)."""
+        returns a view per list, each starting 16-byte aligned (Triton specializes on that).
+        The lists go in through numpy, which converts Python ints ~3x faster than torch."""
         align = 16 // dtype.itemsize
-        flat: list[int] = []
-        offsets = []
+        offsets, size = [], 0
         for part in parts:
-            offsets.append(len(flat))
-            flat.extend(part)
-            flat.extend([0] * (-len(flat) % align))
-        host = torch.tensor(flat, dtype=dtype, pin_memory=self.device.type == "cuda")
+            offsets.append(size)
+            size += -(-len(part) // align) * align
+        host = torch.empty(size, dtype=dtype, pin_memory=self.device.type == "cuda")
+        staged = host.numpy()
+        for o, part in zip(offsets, parts, strict=True):
+            staged[o : o + len(part)] = part
         dev = host.to(self.device, non_blocking=True)
         return [dev[o : o + len(part)] for o, part in zip(offsets, parts, strict=True)]
 
