@@ -138,7 +138,7 @@ def _filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small tensor from host values onto `device` without waiting for the GPU's queued work
-    (`torch.tensor(..., device=cuda)` synchronizes; a non-blocking copy from pageable memory is
-    staged by CUDA before it returns)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """A small tensor from host values onto `device`, through pinned memory without waiting for
+    the GPU's queued work (`torch.tensor(..., device=cuda)` waits for it)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
