@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.llama import LlamaForCausalLM
+from engine.staged_inputs import StagedInputs
 from kernels.attention import AttentionMetadata
 from lora.batch import LoraBatchInfo
 from lora.layers import LoraContext
@@ -39,12 +40,6 @@ def _set_lora(lora: LoraContext | None, token_slots: torch.Tensor, with_lora: bo
                      if with_lora else None)
 
 
-def _put(dst: torch.Tensor, values: list[int]) -> None:
-    """Copy host ints into a static buffer without waiting (through pinned memory)."""
-    src = torch.tensor(values, dtype=dst.dtype, pin_memory=True)
-    dst.copy_(src.view(dst.shape), non_blocking=True)
-
-
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to 128 and every 32 beyond, capped at `max_batch`."""
     sizes = [1, 2, 4, 8] + list(range(16, 129, 16)) + list(range(160, max_batch + 1, 32))
@@ -68,16 +63,21 @@ class DecodeGraphs:
         self.max_pages = max_pages_per_seq
         device = model.embed_tokens.weight.device
         b = self.sizes[-1]
-
-        def buf(*shape, dtype=torch.int32, fill=0):
-            return torch.full(shape, fill, dtype=dtype, device=device)
-
-        self.input_ids = buf(b, dtype=torch.long)
-        self.positions = buf(b, dtype=torch.long)
-        self.slot_mapping = buf(b, dtype=torch.long, fill=pad_page * page_size)
-        self.tables = buf(b, max_pages_per_seq, fill=pad_page)
-        self.lens = buf(b, fill=1)
-        self.token_slots = buf(b, fill=-1)
+        self.pad_slot = pad_page * page_size
+        # The tables come last: a graph of size s needs their first s rows only.
+        self.inputs = StagedInputs([
+            ("input_ids", torch.long, (b,), 0),
+            ("positions", torch.long, (b,), 0),
+            ("slot_mapping", torch.long, (b,), self.pad_slot),
+            ("lens", torch.int32, (b,), 1),
+            ("token_slots", torch.int32, (b,), -1),
+            ("tables", torch.int32, (b, max_pages_per_seq), pad_page),
+        ], device)
+        d = self.inputs.dev
+        self.input_ids, self.positions, self.slot_mapping = (
+            d["input_ids"], d["positions"], d["slot_mapping"])
+        self.lens, self.token_slots, self.tables = d["lens"], d["token_slots"], d["tables"]
+        self._rows: list[list[int] | None] = [None] * b  # the pages each host table row holds
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fits(self, num_seqs: int, max_pages: int) -> bool:
@@ -109,24 +109,28 @@ class DecodeGraphs:
         graph's output, valid until the next replay)."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
-        pad = b - n
-        width = max(len(t) for t in tables)
-        flat = [p for t in tables for p in t + [0] * (width - len(t))]
-        flat += [self.pad_page] * (pad * width)
-        lens = [pos + 1 for pos in positions] + [1] * pad
-
-        def put(dst: torch.Tensor, values: list[int]) -> None:
-            src = torch.tensor(values, dtype=dst.dtype, pin_memory=True)
-            dst.copy_(src.view(dst.shape), non_blocking=True)
-
-        put(self.input_ids[:b], input_ids + [0] * pad)
-        put(self.positions[:b], positions + [0] * pad)
-        put(self.slot_mapping[:b], slots + [self.pad_page * self.page_size] * pad)
-        put(self.tables[:b, :width], flat)
-        put(self.lens[:b], lens)
+        h = self.inputs.stage()
+        h["input_ids"][:n] = input_ids
+        h["positions"][:n] = positions
+        h["slot_mapping"][:n] = slots
+        h["lens"][:n] = positions
+        h["lens"][:n] += 1
+        for i, pages in enumerate(tables):  # a row is rewritten only when its pages changed
+            if self._rows[i] != pages:
+                h["tables"][i, : len(pages)] = pages
+                self._rows[i] = list(pages)
+        # Padding rows: token 0 at position 0, written to the pad page, which it attends to.
+        h["input_ids"][n:b] = 0
+        h["positions"][n:b] = 0
+        h["slot_mapping"][n:b] = self.pad_slot
+        h["lens"][n:b] = 1
+        h["tables"][n:b, 0] = self.pad_page
+        self._rows[n:b] = [None] * (b - n)
         with_lora = lora_slots is not None
         if with_lora:
-            put(self.token_slots[:b], lora_slots + [-1] * pad)
+            h["token_slots"][:n] = lora_slots
+            h["token_slots"][n:b] = -1
+        self.inputs.send("tables", b)
         graph, logits = self.graphs[(b, with_lora)]
         graph.replay()
         return logits[:n]
@@ -184,16 +188,21 @@ class ExtendGraphs:
         device = model.embed_tokens.weight.device
         b = self.sizes[-1]
 
-        def buf(*shape, dtype=torch.int32, fill=0):
-            return torch.full(shape, fill, dtype=dtype, device=device)
-
-        self.input_ids = buf(b, dtype=torch.long)
-        self.positions = buf(b, dtype=torch.long)
-        self.slot_mapping = buf(b, dtype=torch.long, fill=pad_page * page_size)
-        self.table = buf(1, max_pages_per_seq, fill=pad_page)
-        self.lens = buf(1, fill=b)
-        self.sample_row = buf(1, dtype=torch.long)
-        self.token_slots = buf(b, fill=-1)
+        self.pad_slot = pad_page * page_size
+        self.inputs = StagedInputs([
+            ("input_ids", torch.long, (b,), 0),
+            ("positions", torch.long, (b,), 0),
+            ("slot_mapping", torch.long, (b,), self.pad_slot),
+            ("sample_row", torch.long, (1,), 0),
+            ("lens", torch.int32, (1,), b),
+            ("token_slots", torch.int32, (b,), -1),
+            ("table", torch.int32, (1, max_pages_per_seq), pad_page),
+        ], device)
+        d = self.inputs.dev
+        self.input_ids, self.positions, self.slot_mapping = (
+            d["input_ids"], d["positions"], d["slot_mapping"])
+        self.sample_row, self.lens, self.token_slots, self.table = (
+            d["sample_row"], d["lens"], d["token_slots"], d["table"])
         self.query_start = {s: torch.tensor([0, s], dtype=torch.int32, device=device)
                             for s in self.sizes}
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -231,16 +240,22 @@ class ExtendGraphs:
         logits [1, vocab] of its last token (a view, valid until the next replay)."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
-        pad = b - n
-        _put(self.input_ids[:b], input_ids + [0] * pad)
-        _put(self.positions[:b], list(range(start, start + n)) + [0] * pad)
-        _put(self.slot_mapping[:b], slots + [self.pad_page * self.page_size] * pad)
-        _put(self.table, pages + [self.pad_page] * (self.max_pages - len(pages)))
-        _put(self.lens, [start + b])
-        _put(self.sample_row, [n - 1])
+        h = self.inputs.stage()
+        h["input_ids"][:n] = input_ids
+        h["input_ids"][n:b] = 0
+        h["positions"][:n] = range(start, start + n)
+        h["positions"][n:b] = 0
+        h["slot_mapping"][:n] = slots
+        h["slot_mapping"][n:b] = self.pad_slot
+        h["table"][0, : len(pages)] = pages
+        h["table"][0, len(pages) :] = self.pad_page
+        h["lens"][0] = start + b
+        h["sample_row"][0] = n - 1
         with_lora = lora_slot is not None
         if with_lora:
-            _put(self.token_slots[:b], [lora_slot] * n + [-1] * pad)
+            h["token_slots"][:n] = lora_slot
+            h["token_slots"][n:b] = -1
+        self.inputs.send("table", 1)
         graph, logits = self.graphs[(b, with_lora)]
         graph.replay()
         return logits

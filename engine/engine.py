@@ -8,7 +8,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import torch
 
 from engine.config import EngineConfig, ModelLoadError
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import Decoder, IncrementalDetokenizer
 from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
 from engine.model_runner import ModelRunner
@@ -45,6 +45,7 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.decoder = Decoder(self.tokenizer)  # shared by the requests' detokenizers
 
         num_pages = cfg.num_pages or self._pages_for_budget(cfg.kv_cache_gb)
         self.max_model_len = min(cfg.max_model_len or mc.max_position, num_pages * cfg.page_size)
@@ -120,7 +121,7 @@ class LLMEngine:
         except UnknownAdapter:
             raise InvalidRequestError(f"unknown adapter {params.adapter!r}", "model") from None
         req.adapter_uid = self.adapters.uid_of(req)
-        req.output_state = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
+        req.output_state = IncrementalDetokenizer(self.decoder, req.prompt_token_ids, params.stop)
         self.grammar.submit(req)
         self._requests[request_id] = req
         self.scheduler.add(req)
@@ -202,8 +203,8 @@ class LLMEngine:
     def _advance(self, req: Request, sample: SampleResult) -> RequestOutput:
         new = [sample.token_id]
         reason = self._check_stop(req, sample.token_id)
-        if reason is None and req.params.logprobs is None:
-            reason = self._jump_forward(req, new)
+        if reason is None and req.matcher is not None and req.params.logprobs is None:
+            reason = self._jump_forward(req, new)  # only a grammar forces tokens
         if reason:
             self._finish(req, reason)
         lp = [sample.logprob] if sample.logprob is not None else None

@@ -23,11 +23,12 @@ class ScheduledSeq:
     request: Request
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
+    # True when this step computes the request's last known token, so it samples. Fixed when
+    # scheduled (the step's postprocess appends tokens); read several times per step.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so it samples."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass

@@ -47,7 +47,8 @@ def tiny(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return base, adapters
 
 
-def generate(base: Path, adapters: dict[str, Path], requests: list[str | None], **engine_args):
+def generate(base: Path, adapters: dict[str, Path], requests: list[str | None],
+             max_tokens: list[int] | None = None, **engine_args):
     from engine import LLM, SamplingParams
 
     llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, **engine_args)
@@ -56,8 +57,9 @@ def generate(base: Path, adapters: dict[str, Path], requests: list[str | None], 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 60, (len(requests),), generator=gen).tolist()
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, adapter=a)
-              for a in requests]
+    max_tokens = max_tokens or [12] * len(requests)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, adapter=a)
+              for a, m in zip(requests, max_tokens, strict=True)]
     outs = [o.token_ids for o in llm.generate(prompts, params)]
     graphs = llm.engine.runner.graphs
     return outs, graphs
@@ -113,3 +115,15 @@ def test_extend_graphs_match_cpu(tiny):
         ]
     assert outs["cuda"] == outs["cpu"]
     assert len(replays) == len(prompts) and max(replays) > 16, replays
+
+
+def test_graphs_follow_a_changing_batch(tiny):
+    """More requests than seats, each with its own length: between graph steps the batch
+    shrinks, refills and reorders (a row's pages change request), page tables grow, and the
+    graph size changes; the tokens stay the CPU path's."""
+    base, adapters = tiny
+    requests = [None, "all8", None, "qv4"] * 4
+    lengths = [3 + (7 * i) % 29 for i in range(len(requests))]
+    cpu, _ = generate(base, adapters, requests, lengths, device="cpu")
+    graphed, graphs = generate(base, adapters, requests, lengths, device="cuda")
+    assert graphs is not None and graphed == cpu

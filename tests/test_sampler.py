@@ -43,3 +43,16 @@ def test_penalties_and_bias():
     assert sampler(logits.clone(), [r])[0].token_id == 3  # bias wins
     r.params.logit_bias = {}
     assert sampler(logits.clone(), [r])[0].token_id == 1  # presence penalty pushes 0 below 1
+
+
+def test_rows_not_ok_come_back_as_minus_one():
+    """The runner's non-finite flags ride with the tokens: a row not ok gets token -1 and no
+    logprob; the others are sampled as if it were not there."""
+    sampler = Sampler(seed=0)
+    rs = [Request(f"r{i}", [1], SamplingParams(temperature=t, logprobs=1, seed=7))
+          for i, t in enumerate([0.0, 0.0, 1.0])]
+    logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, 0.0], [0.0, 0.0, 30.0]])
+    out = sampler(logits.clone(), rs, ok=torch.tensor([True, False, True]))
+    assert [s.token_id for s in out] == [1, -1, 2]
+    assert out[1].logprob is None and out[0].logprob.token_id == 1
+    assert out[0].logprob.top[0][0] == 1 and out[2].logprob.token_id == 2
