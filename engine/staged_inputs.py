@@ -18,7 +18,9 @@ ALIGN = 256  # bytes: each field starts aligned (Triton specializes on 16-byte p
 
 
 class StagedInputs:
-    def __init__(self, fields: list[tuple[str, torch.dtype, tuple[int, ...], int]], device):
+    def __init__(
+        self, fields: list[tuple[str, torch.dtype, tuple[int, ...], int]], device: torch.device
+    ):
         """fields: (name, dtype, shape, initial value), in memory order, so that
         `send(name, rows)` also sends every field before `name`."""
         self.offsets: dict[str, int] = {}
