@@ -219,7 +219,7 @@ def bgmv_expand_triton(
 ) -> None:
     """Same contract as `bgmv_expand_torch`."""
     out = y.narrow(1, slice_offset, b_stack.shape[1])  # (num_tokens, N) view
-    _launch(t.unsqueeze(1), b_stack, out.unsqueeze(1), indices, scales, expand_config(1))
+    _launch(t.unsqueeze(1), b_stack, out.unsqueeze(1), indices, scales, EXPAND_CONFIG)
 
 
 def bgmv_expand_slices_triton(
@@ -231,8 +231,7 @@ def bgmv_expand_slices_triton(
     scales: torch.Tensor,
 ) -> None:
     """Same contract as `bgmv_expand_slices_torch` (up to three slices)."""
-    _launch(t.unsqueeze(1), b_stack, y.unsqueeze(1), indices, scales, expand_config(len(sizes)),
-            sizes)
+    _launch(t.unsqueeze(1), b_stack, y.unsqueeze(1), indices, scales, EXPAND_CONFIG, sizes)
 
 
 def bgmv_shrink_expand_triton(
@@ -242,8 +241,7 @@ def bgmv_shrink_expand_triton(
     """Same contract as `bgmv_shrink_expand_torch`; t never exists: the expand sums the
     shrink's split-K partials (fp32) as it reads them. Two launches, no memset, no atomics."""
     partials = _shrink_partials(x, a_stack, indices)  # (num_tokens, splits, R) fp32
-    _launch(partials, b_stack, y.unsqueeze(1), indices, scales, expand_config(len(sizes)),
-            sizes)
+    _launch(partials, b_stack, y.unsqueeze(1), indices, scales, EXPAND_CONFIG, sizes)
 
 
 def _shrink_partials(
@@ -259,24 +257,19 @@ def _shrink_partials(
 
 
 def split_k_for(k: int) -> int:
-    """Splits of the shrink's K: one per 1024, at most 4 (the H100 sweep's best for both the
-    hidden size and Llama-3-8B's intermediate size; 2 and 8 came within 5%)."""
-    return min(4, triton.cdiv(k, 1024))
+    """Provisional default split of the shrink's K (until the H100 sweep in `kernels.tune`
+    picks one): one split per 1024 of K, at most 8 (hidden 4096 -> 4, intermediate -> 8)."""
+    return min(8, triton.cdiv(k, 1024))
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]). Shrink is a long-K, narrow-N product
 # (K = hidden or intermediate, N = slices x rank): with a batch of 64 there is little work per
 # (token, N tile), so 4-row tiles and SPLIT_K programs along K (None: `split_k_for(K)`) even out
-# the waves. Expand is short-K (K = rank); its best tile depends on the projection, told apart
-# by its number of output slices (1: o or down, 2: gate|up, 3: q|k|v). From the H100 sweep in
-# `kernels.tune` (bf16, batch 64, a distinct rank-16 adapter per token), one layer's 4 shrinks
-# + 4 expands: 174 us at first, 132 us tuned, 125 us with split-K and per-projection expands.
-SHRINK_CONFIG = (4, 2048, 4, 1, None)
-EXPAND_CONFIGS = {1: (64, 16, 4, 2), 2: (128, 16, 2, 1), 3: (128, 16, 8, 2)}
-
-
-def expand_config(num_slices: int) -> tuple[int, int, int, int]:
-    return EXPAND_CONFIGS[max(1, num_slices)]
+# the waves. Expand is short-K (K = rank). H100 sweep in `kernels.tune` (bf16, batch 64, a
+# distinct rank-16 adapter per token), one layer's 4 shrinks + 4 expands, before split-K: 174 ->
+# 132 us, 0.46 of the copy bandwidth; fusing the slices' expands took q/k/v from 23 to 12 us.
+SHRINK_CONFIG = (4, 1024, 8, 1, None)
+EXPAND_CONFIG = (256, 16, 4, 1)
 
 
 def _launch(
