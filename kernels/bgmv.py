@@ -7,13 +7,10 @@ padding and fused projections are as in `kernels.sgmv`:
     a_stack: [num_slots, r_max, H]    b_stack: [num_slots, N, r_max]
 
 One Triton kernel serves shrink and expand (`out[i] (+)= scale * W[slot_i] @ in[i]`); each
-program is one token x one tile of output columns x one split of K. A fused projection's expand
-(`[q|k|v]`, `[gate|up]`) is one launch over all its output columns, each column reading its own
-slice of `t` (`bgmv_expand_slices`). The shrink's K (hidden or intermediate) is long and a
-decode batch has few tokens, so it is split over SPLIT_K programs writing fp32 partial sums;
-`bgmv_shrink_expand` hands them to the expand, which adds them up as it reads its input. The
-torch path (CPU) sorts the tokens by slot once and does one matmul per adapter present, never a
-Python loop per token.
+program is one token x one tile of output columns. A fused projection's expand (`[q|k|v]`,
+`[gate|up]`) is one launch over all its output columns, each column reading its own slice of
+`t` (`bgmv_expand_slices`). The torch path (CPU) sorts the tokens by slot once and does one
+matmul per adapter present, never a Python loop per token.
 """
 
 from __future__ import annotations
@@ -61,17 +58,6 @@ def bgmv_expand_slices(
         bgmv_expand_slices_triton(y, t, b_stack, sizes, indices, scales)
     else:
         bgmv_expand_slices_torch(y, t, b_stack, sizes, indices, scales)
-
-
-def bgmv_shrink_expand(
-    y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-    sizes: Sequence[int], indices: torch.Tensor, scales: torch.Tensor,
-) -> None:
-    """y += LoRA(x) for a (fused) projection: `bgmv_shrink` then `bgmv_expand_slices`."""
-    if y.is_cuda:
-        bgmv_shrink_expand_triton(y, x, a_stack, b_stack, sizes, indices, scales)
-    else:
-        bgmv_shrink_expand_torch(y, x, a_stack, b_stack, sizes, indices, scales)
 
 
 # --- torch reference / CPU path ------------------------------------------------------------
@@ -166,23 +152,6 @@ def bgmv_expand_slices_torch(
         offset += n
 
 
-def bgmv_shrink_expand_torch(
-    y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-    sizes: Sequence[int], indices: torch.Tensor, scales: torch.Tensor,
-) -> None:
-    """Shrink then expand a fused projection, in place in y.
-
-    Args:
-        y: [T, sum(sizes)]; x: [T, H]; a_stack: [num_slots, len(sizes) * R, H];
-        b_stack: [num_slots, sum(sizes), R]; indices: [T] int, -1 = none; scales: [num_slots].
-
-    Semantics:
-        bgmv_expand_slices(y, bgmv_shrink(x, a_stack, indices), b_stack, sizes, indices, scales)
-    """
-    t = bgmv_shrink_torch(x, a_stack, indices)  # (num_tokens, len(sizes) * R)
-    bgmv_expand_slices_torch(y, t, b_stack, sizes, indices, scales)
-
-
 def group_by_slot(indices: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """Rows of the tokens that have an adapter, sorted by slot, and each slot's run in them.
 
@@ -205,8 +174,10 @@ def group_by_slot(indices: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, 
 def bgmv_shrink_triton(
     x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
-    """Same contract as `bgmv_shrink_torch` (the split-K partials, summed)."""
-    return _shrink_partials(x, a_stack, indices).sum(1).to(x.dtype)
+    """Same contract as `bgmv_shrink_torch`."""
+    t = x.new_empty(x.shape[0], a_stack.shape[1])  # (num_tokens, rank); base rows get zeros
+    _launch(x, a_stack, t, indices, None, SHRINK_CONFIG)
+    return t
 
 
 def bgmv_expand_triton(
@@ -219,7 +190,7 @@ def bgmv_expand_triton(
 ) -> None:
     """Same contract as `bgmv_expand_torch`."""
     out = y.narrow(1, slice_offset, b_stack.shape[1])  # (num_tokens, N) view
-    _launch(t.unsqueeze(1), b_stack, out.unsqueeze(1), indices, scales, EXPAND_CONFIG)
+    _launch(t, b_stack, out, indices, scales, EXPAND_CONFIG)
 
 
 def bgmv_expand_slices_triton(
@@ -231,93 +202,95 @@ def bgmv_expand_slices_triton(
     scales: torch.Tensor,
 ) -> None:
     """Same contract as `bgmv_expand_slices_torch` (up to three slices)."""
-    _launch(t.unsqueeze(1), b_stack, y.unsqueeze(1), indices, scales, EXPAND_CONFIG, sizes)
+    _launch(t, b_stack, y, indices, scales, EXPAND_CONFIG, sizes)
 
 
-def bgmv_shrink_expand_triton(
-    y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-    sizes: Sequence[int], indices: torch.Tensor, scales: torch.Tensor,
-) -> None:
-    """Same contract as `bgmv_shrink_expand_torch`; t never exists: the expand sums the
-    shrink's split-K partials (fp32) as it reads them. Two launches, no memset, no atomics."""
-    partials = _shrink_partials(x, a_stack, indices)  # (num_tokens, splits, R) fp32
-    _launch(partials, b_stack, y.unsqueeze(1), indices, scales, EXPAND_CONFIG, sizes)
-
-
-def _shrink_partials(
-    x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor
-) -> torch.Tensor:
-    """[T, splits, R] fp32: split s of row i is A[indices[i]] @ x[i] over split s's part of K
-    (zeros on base rows); the splits sum to the shrink."""
-    *config, split_k = SHRINK_CONFIG
-    splits = split_k or split_k_for(x.shape[1])
-    partials = x.new_empty(x.shape[0], splits, a_stack.shape[1], dtype=torch.float32)
-    _launch(x.unsqueeze(1), a_stack, partials, indices, None, tuple(config))
-    return partials
-
-
-def split_k_for(k: int) -> int:
-    """Provisional default split of the shrink's K (until the H100 sweep in `kernels.tune`
-    picks one): one split per 1024 of K, at most 8 (hidden 4096 -> 4, intermediate -> 8)."""
-    return min(8, triton.cdiv(k, 1024))
-
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]). Shrink is a long-K, narrow-N product
-# (K = hidden or intermediate, N = slices x rank): with a batch of 64 there is little work per
-# (token, N tile), so 4-row tiles and SPLIT_K programs along K (None: `split_k_for(K)`) even out
-# the waves. Expand is short-K (K = rank). H100 sweep in `kernels.tune` (bf16, batch 64, a
-# distinct rank-16 adapter per token), one layer's 4 shrinks + 4 expands, before split-K: 174 ->
-# 132 us, 0.46 of the copy bandwidth; fusing the slices' expands took q/k/v from 23 to 12 us.
-SHRINK_CONFIG = (4, 1024, 8, 1, None)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages). Shrink is a long-K, narrow-N product (K = hidden
+# or intermediate, N = slices x rank): 4-row tiles give 4x more programs than 16-row ones, so
+# the waves even out. Expand is short-K (K = rank). H100 sweep in `kernels.tune` (bf16, batch
+# 64, a distinct rank-16 adapter per token), one layer's 4 shrinks + 4 expands: 174 -> 132 us,
+# 0.46 of the copy bandwidth; fusing the slices' expands took q/k/v from 23 to 12 us.
+SHRINK_CONFIG = (4, 1024, 8, 1)
 EXPAND_CONFIG = (256, 16, 4, 1)
 
 
 def _launch(
-    inp: torch.Tensor, w: torch.Tensor, out: torch.Tensor, indices: torch.Tensor,
-    scales: torch.Tensor | None, config: tuple[int, int, int, int], sizes: Sequence[int] = (),
+    inp: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    indices: torch.Tensor,
+    scales: torch.Tensor | None,
+    config: tuple[int, int, int, int],
+    sizes: Sequence[int] = (),
 ) -> None:
-    """out[i] (+)= scale * w[indices[i]] @ sum_s inp[i, s]. inp: [T, S_in, K] (S_in partial
-    sums, added as read), w: [num_slots, N, K], out: [T, S_out, N] (strided views allowed).
-    Without scales (shrink) base rows are set to 0 and out[i, s] gets split s of K: the splits
-    are whole BLOCK_K tiles, so trailing ones may be empty (zeros). With scales (expand,
-    S_out = 1) base rows are left alone. With `sizes` (output slices, summing to N), slice j
-    reads inp[:, :, j * K : (j + 1) * K]."""
-    num_tokens, splits, (n, k) = inp.shape[0], out.shape[1], w.shape[1:]
+    """out[i] (+)= scale * w[indices[i]] @ inp[i]. inp: [T, K], w: [num_slots, N, K],
+    out: [T, N] (strided views allowed). Without scales (shrink) base rows are set to 0.
+    With `sizes` (output slices, summing to N), slice j reads inp[:, j * K : (j + 1) * K]."""
+    num_tokens, (n, k) = inp.shape[0], w.shape[1:]
     if num_tokens == 0:
         return
     assert len(sizes) <= 3, "at most three slices ([q|k|v])"
-    assert scales is None or splits == 1, "an expand cannot split K"
     bounds = list(itertools.accumulate(sizes))[:-1] + [n] * (3 - len(sizes))  # slice ends
     block_n, block_k, num_warps, num_stages = config
     block_n = min(block_n, triton.next_power_of_2(n))
-    per_split = triton.cdiv(k, splits)
-    block_k = min(block_k, max(16, triton.next_power_of_2(per_split)))
-    grid = (num_tokens, triton.cdiv(n, block_n), splits)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    grid = (num_tokens, triton.cdiv(n, block_n))
     _bgmv_kernel[grid](
-        inp, w, out, indices, scales if scales is not None else inp,
-        n, k, triton.cdiv(per_split, block_k) * block_k, bounds[0], bounds[1],  # K_SPLIT, ENDs
-        *inp.stride(), *w.stride(), *out.stride(),
-        IN_SPLITS=inp.shape[1], ACCUMULATE=scales is not None, SLICED=len(sizes) > 1,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        inp,
+        w,
+        out,
+        indices,
+        scales if scales is not None else inp,
+        n,
+        k,
+        bounds[0],
+        bounds[1],
+        inp.stride(0),
+        inp.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        ACCUMULATE=scales is not None,
+        SLICED=len(sizes) > 1,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
 @triton.jit
 def _bgmv_kernel(
-    in_ptr, w_ptr, out_ptr, idx_ptr, scales_ptr,
-    N, K, K_SPLIT, END0, END1,
-    s_in_t, s_in_s, s_in_k, s_w_slot, s_w_n, s_w_k, s_out_t, s_out_s, s_out_n,
-    IN_SPLITS: tl.constexpr, ACCUMULATE: tl.constexpr, SLICED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    # One program: one token x BLOCK_N output columns x one split of K; a matrix-vector
-    # product, so no tl.dot.
-    tok, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    in_ptr,
+    w_ptr,
+    out_ptr,
+    idx_ptr,
+    scales_ptr,
+    N,
+    K,
+    END0,
+    END1,
+    s_in_t,
+    s_in_k,
+    s_w_slot,
+    s_w_n,
+    s_w_k,
+    s_out_t,
+    s_out_n,
+    ACCUMULATE: tl.constexpr,
+    SLICED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # One program: one token x BLOCK_N output columns; a matrix-vector product, so no tl.dot.
+    tok, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(idx_ptr + tok)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
-    out_ptrs = out_ptr + tok * s_out_t + split * s_out_s + cols * s_out_n
+    out_ptrs = out_ptr + tok * s_out_t + cols * s_out_n
     if slot < 0:  # base row: expand leaves it alone, shrink writes zeros
         if not ACCUMULATE:
             tl.store(out_ptrs, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=col_ok)
@@ -325,19 +298,22 @@ def _bgmv_kernel(
     w_base = w_ptr + slot.to(tl.int64) * s_w_slot
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     in_row = in_ptr + tok * s_in_t
-    if SLICED:  # column c reads the slice of inp that its output slice owns: (BLOCK_N, 1)
+    if SLICED:  # column c reads the slice of inp that its output slice owns
         slice_idx = (cols >= END0).to(tl.int32) + (cols >= END1).to(tl.int32)
         in_row += slice_idx[:, None] * K * s_in_k
-    k_start = split * K_SPLIT  # K_SPLIT is whole BLOCK_K tiles: only the end of K is masked
-    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
-        w_ptrs = w_base + cols[:, None] * s_w_n + (k0 + ks)[None, :] * s_w_k
-        w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
-        in_ptrs = in_row + (k0 + ks)[None, :] * s_in_k  # (1 or BLOCK_N, BLOCK_K)
-        v = tl.load(in_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        for s in tl.static_range(1, IN_SPLITS):  # the shrink's split-K partial sums
-            v += tl.load(in_ptrs + s * s_in_s, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * v, axis=1)
+        w = tl.load(
+            w_base + cols[:, None] * s_w_n + (k0 + ks)[None, :] * s_w_k,
+            mask=col_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_K)
+        if SLICED:
+            v = tl.load(in_row + (k0 + ks)[None, :] * s_in_k, mask=k_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * v.to(tl.float32), axis=1)
+        else:
+            v = tl.load(in_row + (k0 + ks) * s_in_k, mask=k_ok, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * v.to(tl.float32)[None, :], axis=1)
     if ACCUMULATE:
         scale = tl.load(scales_ptr + slot)
         acc = tl.load(out_ptrs, mask=col_ok, other=0.0).to(tl.float32) + acc * scale

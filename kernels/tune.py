@@ -120,46 +120,38 @@ def sweep_prefill(quick: bool) -> dict:
 
 
 def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
-    """Batch 64, one distinct adapter per token (64 slots), each projection of one layer.
-    Shrink configs are (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)."""
+    """Batch 64, one distinct adapter per token (64 slots), each projection of one layer."""
     tokens, slots = 64, 64
     idx = torch.randperm(slots, device="cuda").to(torch.int32)
     scales = torch.ones(slots, device="cuda")
     shrinks = {"qkv": (3 * RANK, HIDDEN), "gate_up": (2 * RANK, HIDDEN), "o": (RANK, HIDDEN),
                "down": (RANK, INTER)}
     expands = {"o/down": (HIDDEN,), "qkv": (HIDDEN, KVH * D, KVH * D), "gate_up": (INTER, INTER)}
-    shrink_cfgs = list(itertools.product([4, 8, 16], [256, 512, 1024, 2048], [4, 8], [1],
-                                         [1, 2, 4, 8]))
+    shrink_cfgs = list(itertools.product([4, 8, 16], [1024, 2048], [4, 8], [1, 3]))
     expand_cfgs = list(itertools.product([64, 128, 256, 512], [16], [2, 4, 8], [1, 2]))
     if quick:
-        expand_cfgs = [bgmv.EXPAND_CONFIG]
+        shrink_cfgs, expand_cfgs = [bgmv.SHRINK_CONFIG], [bgmv.EXPAND_CONFIG]
     results = {}
     for name, (n, k) in shrinks.items():
         a = torch.randn(slots, n, k, device="cuda", dtype=BF16) * 0.02
         x = torch.randn(tokens, k, device="cuda", dtype=BF16)
-        default_cfg = (*bgmv.SHRINK_CONFIG[:4], bgmv.SHRINK_CONFIG[4] or bgmv.split_k_for(k))
-        times = {}
-        for c in [default_cfg] if quick else shrink_cfgs:
-            partials = torch.empty(tokens, c[4], n, device="cuda", dtype=torch.float32)
-            times[c] = bench(partial(bgmv._launch, x[:, None], a, partials, idx, None, c[:4]))
+        t = torch.empty(tokens, n, device="cuda", dtype=BF16)
+        times = {c: bench(partial(bgmv._launch, x, a, t, idx, None, c)) for c in shrink_cfgs}
         best = min(times, key=times.get)
-        default = bench(partial(bgmv._shrink_partials, x, a, idx))
-        results[f"shrink {name}"] = dict(best=best, us=times[best] * 1e6, default_us=default * 1e6,
-                                         bytes=a.nbytes + x.nbytes)  # + tiny fp32 partials
-        for split in sorted({c[4] for c in times}):
-            us = min(t for c, t in times.items() if c[4] == split) * 1e6
-            print(f"bgmv shrink {name:8s} K={k:5d} SPLIT_K={split}: best {us:7.1f} us", flush=True)
+        nbytes = a.nbytes + x.nbytes + t.nbytes
+        default = bench(partial(bgmv.bgmv_shrink_triton, x, a, idx))
+        results[f"shrink {name}"] = dict(best=best, us=times[best] * 1e6, bytes=nbytes,
+                                         default_us=default * 1e6)
     for name, sizes in expands.items():
         n = sum(sizes)
         b = torch.randn(slots, n, RANK, device="cuda", dtype=BF16) * 0.02
-        t = torch.randn(tokens, 1, RANK * len(sizes), device="cuda", dtype=BF16)
-        y = torch.randn(tokens, 1, n, device="cuda", dtype=BF16)
+        t = torch.randn(tokens, RANK * len(sizes), device="cuda", dtype=BF16)
+        y = torch.randn(tokens, n, device="cuda", dtype=BF16)
         times = {c: bench(partial(bgmv._launch, t, b, y, idx, scales, c, sizes))
                  for c in expand_cfgs}
         best = min(times, key=times.get)
         nbytes = b.nbytes + t.nbytes + 2 * y.nbytes
-        default = bench(partial(bgmv.bgmv_expand_slices_triton, y[:, 0], t[:, 0], b, sizes, idx,
-                                scales))
+        default = bench(partial(bgmv.bgmv_expand_slices_triton, y, t, b, sizes, idx, scales))
         results[f"expand {name}"] = dict(best=best, us=times[best] * 1e6, bytes=nbytes,
                                          default_us=default * 1e6)
     for name, r in results.items():
@@ -175,8 +167,6 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
         results[f"layer {key}"] = dict(us=us, bw_fraction=nbytes / (us * 1e-6) / copy_bw)
         print(f"bgmv one layer (8 launches, {key}) {us:7.1f} us, "
               f"{nbytes / (us * 1e-6) / copy_bw:.2f} of copy", flush=True)
-    print("bgmv best SHRINK_CONFIG per projection (SPLIT_K last): " + ", ".join(
-        f"{n[7:]} {results[n]['best']}" for n, _ in layer[:4]), flush=True)
     return results
 
 

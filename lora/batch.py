@@ -7,9 +7,7 @@ slots; every LoRA layer of the forward then runs
     lora_expand(y, t, b_stack, scales, info)                # y += scale * t @ B^T
 
 or, for a fused projection (`qkv_proj` rows `[q|k|v]`, `gate_up_proj` rows `[gate|up]`),
-one shrink with the slices' A stacked along the rank axis and `lora_expand_slices`;
-`lora_shrink_expand` does both (for BGMV, the shrink's split-K partial sums go straight to the
-expand, never summed into t).
+one shrink with the slices' A stacked along the rank axis and `lora_expand_slices`.
 
 Kernel choice: runs of tokens sharing an adapter are merged into segments. When segments
 average at least two tokens (prefill, chunks, decodes ordered by adapter) SGMV does one
@@ -24,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.bgmv import bgmv_expand, bgmv_expand_slices, bgmv_shrink, bgmv_shrink_expand
+from kernels.bgmv import bgmv_expand, bgmv_expand_slices, bgmv_shrink
 from kernels.sgmv import sgmv_expand, sgmv_shrink
 
 
@@ -133,25 +131,3 @@ def lora_expand_slices(
         b = b_stack.narrow(1, offset, n)
         lora_expand(y, t[:, j * r_max : (j + 1) * r_max], b, scales, info, offset)
         offset += n
-
-
-def lora_shrink_expand(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a_stack: torch.Tensor,
-    b_stack: torch.Tensor,
-    sizes: Sequence[int],
-    scales: torch.Tensor,
-    info: LoraBatchInfo,
-) -> None:
-    """y += LoRA(x) for a (fused) projection: `lora_shrink` then `lora_expand_slices`.
-
-    Args:
-        y: [T, sum(sizes)]; x: [T, H]; a_stack: [num_slots, len(sizes) * r_max, H];
-        b_stack: [num_slots, sum(sizes), r_max]; scales: [num_slots].
-    """
-    if info.use_sgmv:
-        t = lora_shrink(x, a_stack, info)  # (num_tokens, len(sizes) * r_max)
-        lora_expand_slices(y, t, b_stack, sizes, scales, info)
-    else:
-        bgmv_shrink_expand(y, x, a_stack, b_stack, sizes, info.token_slots, scales)
