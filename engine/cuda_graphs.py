@@ -46,7 +46,25 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted({min(s, max_batch) for s in sizes})
 
 
-class DecodeGraphs:
+class _GraphSet:
+    """What the decode and extend graph sets share: capturing every size, with and without
+    LoRA. Subclasses set `sizes`, `lora`, `token_slots`, `graphs` and define `_forward(b)`."""
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        variants = (False, True) if self.lora is not None else (False,)
+        for b in reversed(self.sizes):
+            for with_lora in variants:
+                _set_lora(self.lora, self.token_slots[:b], with_lora)
+                self.graphs[(b, with_lora)] = capture_graph(lambda b=b: self._forward(b), pool)
+        if self.lora is not None:
+            self.lora.info = None
+        torch.cuda.synchronize()
+
+
+class DecodeGraphs(_GraphSet):
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -82,19 +100,6 @@ class DecodeGraphs:
 
     def fits(self, num_seqs: int, max_pages: int) -> bool:
         return num_seqs <= self.sizes[-1] and max_pages <= self.max_pages
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
-        pool = torch.cuda.graph_pool_handle()
-        variants = (False, True) if self.lora is not None else (False,)
-        for b in reversed(self.sizes):
-            for with_lora in variants:
-                _set_lora(self.lora, self.token_slots[:b], with_lora)
-                self.graphs[(b, with_lora)] = capture_graph(lambda b=b: self._forward(b), pool)
-        if self.lora is not None:
-            self.lora.info = None
-        torch.cuda.synchronize()
 
     def run(
         self,
@@ -160,7 +165,7 @@ def extend_sizes(max_tokens: int) -> list[int]:
     return sorted({min(s, max_tokens) for s in sizes})
 
 
-class ExtendGraphs:
+class ExtendGraphs(_GraphSet):
     """CUDA graphs of one sequence's short last chunk: a cached session's next turn, whose
     eager forward would cost more host time launching kernels than GPU time running them.
 
@@ -214,18 +219,6 @@ class ExtendGraphs:
             return False
         b = next(s for s in self.sizes if s >= num_tokens)
         return context - num_tokens + b <= self.max_pages * self.page_size
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        variants = (False, True) if self.lora is not None else (False,)
-        for b in reversed(self.sizes):
-            for with_lora in variants:
-                _set_lora(self.lora, self.token_slots[:b], with_lora)
-                self.graphs[(b, with_lora)] = capture_graph(lambda b=b: self._forward(b), pool)
-        if self.lora is not None:
-            self.lora.info = None
-        torch.cuda.synchronize()
 
     def run(
         self,
