@@ -106,6 +106,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode-only steps
+    # Queue each decode step's forward before postprocessing the previous one (None: on CUDA,
+    # where the host's work then hides behind the device's; on a CPU nothing runs meanwhile).
+    overlap_schedule: bool | None = None
     threads: int | None = None  # torch CPU threads; None leaves torch's default
     # Multi-LoRA: adapters resident in device slots (0: base model only), in host memory, the
     # slot width (every adapter's rank must fit), and the upload store (None: no uploads).

@@ -108,10 +108,12 @@ class DecodeGraphs(_GraphSet):
         slots: list[int],
         tables: list[list[int]],
         lora_slots: list[int] | None,
+        device_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Replay for one decode-only step of `n = len(input_ids)` sequences; `tables[i]` holds
-        sequence i's pages covering its context. Returns fp32 logits [n, vocab] (a view of the
-        graph's output, valid until the next replay)."""
+        sequence i's pages covering its context. `device_ids` ([n], on the device) replaces
+        `input_ids` when given. Returns fp32 logits [n, vocab] (a view of the graph's output,
+        valid until the next replay)."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
         h = self.inputs.stage()
@@ -136,6 +138,8 @@ class DecodeGraphs(_GraphSet):
             h["token_slots"][:n] = lora_slots
             h["token_slots"][n:b] = -1
         self.inputs.send("tables", b)
+        if device_ids is not None:
+            self.input_ids[:n].copy_(device_ids)
         graph, logits = self.graphs[(b, with_lora)]
         graph.replay()
         return logits[:n]

@@ -1,4 +1,10 @@
-"""The engine step: schedule -> run -> postprocess."""
+"""The engine step: schedule -> run -> postprocess.
+
+On CUDA the decode steps overlap (`EngineConfig.overlap_schedule`): step N+1's forward is queued
+on the device, fed by step N's tokens there, before the host reads step N's tokens and
+postprocesses them, so the host's work per step hides behind the device's (SGLang's overlap
+scheduler). Requests that step N ends ran one token too far in step N+1; that row is dropped.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from engine.config import EngineConfig, ModelLoadError
 from engine.detokenizer import Decoder, IncrementalDetokenizer
 from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, Step
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache
 from engine.request import Request
@@ -75,6 +81,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self._requests: dict[str, Request] = {}
+        overlap = cfg.overlap_schedule
+        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._ahead: Step | None = None  # the overlapped decode step in flight
 
     def _pages_for_budget(self, gb: float) -> int:
         mc = self.model_config
@@ -157,12 +166,51 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         failed = [self._fail(req, why) for req, why in self._not_startable()]
-        batch = self.scheduler.schedule()
-        if not batch:
-            self._wait_for_background(0.05)
-            return failed
-        samples = self.runner.run(batch)
-        return failed + self.postprocess(batch, samples)
+        try:
+            if self._ahead is not None:
+                return failed + self._step_ahead()
+            batch = self.scheduler.schedule()
+            if not batch:
+                self._wait_for_background(0.05)
+                return failed
+            if self.overlap and all(s.num_new_tokens == 1 and s.samples for s in batch.seqs):
+                step = self.runner.launch(batch)
+                self.runner.sample(step, step.rows)
+                self._ahead = step
+                return failed + self._step_ahead()
+            return failed + self.postprocess(batch, self.runner.run(batch))
+        except BaseException:
+            self._ahead = None  # what was in flight belongs to requests the caller now fails
+            raise
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Queue the next decode step behind the one in flight, then postprocess the one in
+        flight (the host's work runs while the device computes) and queue the next one's draw
+        (its grammar masks need this step's tokens accepted)."""
+        prev = self._ahead
+        nxt = self._decodes_ahead(prev)
+        self._ahead = self.runner.launch(nxt, after=prev) if nxt else None
+        outputs = self.postprocess(prev.batch, self.runner.collect(prev), jump_forward=False)
+        if self._ahead is not None:
+            alive = [r for r in self._ahead.rows if not r.finished]
+            if alive:
+                self.runner.sample(self._ahead, alive)
+            else:
+                self._ahead = None
+        return outputs
+
+    def _decodes_ahead(self, prev: Step) -> Batch | None:
+        """The decodes that follow `prev`: its requests that its tokens cannot end by length.
+        None when a waiting request could start instead (the regular schedule admits it)."""
+        if self.scheduler.admits_now():
+            return None
+        reqs = [
+            r for r in prev.drawn.reqs
+            if not r.finished
+            and r.num_output_tokens + 1 < r.params.max_tokens
+            and r.num_tokens + 1 < self.max_model_len
+        ]
+        return self.scheduler.schedule_ahead(reqs)
 
     def _wait_for_background(self, timeout: float) -> None:
         """Nothing could run: wait for an adapter read or a grammar compile to finish instead
@@ -182,11 +230,18 @@ class LLMEngine:
                 failed.append((req, error))
         return failed
 
-    def postprocess(self, batch: Batch, samples: list[SampleResult]) -> list[RequestOutput]:
+    def postprocess(
+        self,
+        batch: Batch,
+        samples: list[tuple[Request, SampleResult]],
+        jump_forward: bool = True,
+    ) -> list[RequestOutput]:
         """Append each sampled token and check stops. A request whose row could not be sampled,
         or whose own postprocessing raises (grammar, detokenizer, output check), fails alone
-        with the reason; the rest of the batch goes on."""
-        sampled = list(zip((s.request for s in batch.seqs if s.samples), samples, strict=True))
+        with the reason; the rest of the batch goes on. Rows of requests that ended while the
+        step was in flight (aborted) are dropped. `jump_forward=False` when the next step is
+        already queued: it decodes the sampled token, so no forced tokens may follow it."""
+        sampled = [(r, s) for r, s in samples if not r.finished]
         self.scheduler.update(batch, {r: s.token_id for r, s in sampled if s.error is None})
         outputs = []
         for req, sample in sampled:
@@ -194,16 +249,17 @@ class LLMEngine:
                 outputs.append(self._fail(req, sample.error))
                 continue
             try:
-                outputs.append(self._advance(req, sample))
+                outputs.append(self._advance(req, sample, jump_forward))
             except Exception as e:
                 log.exception("request %s failed after sampling", req.request_id)
                 outputs.append(self._fail(req, f"internal error: {type(e).__name__}: {e}"))
         return outputs
 
-    def _advance(self, req: Request, sample: SampleResult) -> RequestOutput:
+    def _advance(self, req: Request, sample: SampleResult, jump_forward: bool) -> RequestOutput:
         new = [sample.token_id]
         reason = self._check_stop(req, sample.token_id)
-        if reason is None and req.matcher is not None and req.params.logprobs is None:
+        jump_forward = jump_forward and req.matcher is not None and req.params.logprobs is None
+        if reason is None and jump_forward:
             reason = self._jump_forward(req, new)  # only a grammar forces tokens
         if reason:
             self._finish(req, reason)

@@ -8,12 +8,15 @@ pinned memory without waiting, so the one host sync of a step is reading the sam
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.cuda_graphs import DecodeGraphs, ExtendGraphs
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
-from engine.sampler import Sampler, SampleResult
+from engine.sampler import Drawn, Sampler, SampleResult
 from engine.scheduler import Batch, ScheduledSeq
 from engine.structured import GrammarStage
 from kernels.attention import AttentionMetadata
@@ -71,43 +74,85 @@ class ModelRunner:
             self.extend_graphs.capture()
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[SampleResult]:
-        """One forward for the whole batch; returns a sample for each seq with `samples`.
+    def run(self, batch: Batch) -> list[tuple[Request, SampleResult]]:
+        """One forward for the whole batch, sampled and read back: a (request, sample) pair for
+        each seq with `samples`, in the batch's order.
 
         A row that cannot be sampled (non-finite logits, or its grammar failed to fill its
         mask) gets a `SampleResult` with `error` set instead of a token; the other rows are
         sampled as if it were not there.
         """
-        seqs = sorted(batch.seqs, key=self._layout)
-        reqs = [s.request for s in seqs if s.samples]
+        reqs = [s.request for s in sorted(batch.seqs, key=self._layout) if s.samples]
         masks = self.grammar.start_fill(reqs) if self.grammar else None  # overlaps the forward
-        logits = self._graph_logits(seqs)
+        step = self.launch(batch)
+        self.sample(step, reqs, masks)
+        by_req = dict(self.collect(step))
+        return [(s.request, by_req[s.request]) for s in batch.seqs if s.samples]
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, after: Step | None = None) -> Step:
+        """Queue the batch's forward. With `after`, a step still in flight whose draw is queued,
+        the batch is decodes of the tokens that step draws: they feed in on the device, before
+        the host has seen them (the overlapped schedule, `LLMEngine._step_ahead`)."""
+        seqs = sorted(batch.seqs, key=self._layout)
+        input_ids = None
+        if after is not None:
+            drawn = after.drawn.tokens.clamp(min=0)  # a failed row drew -1; its request ends
+            rows = {r: i for i, r in enumerate(after.drawn.reqs)}
+            order = [rows[s.request] for s in seqs]
+            input_ids = drawn if order == list(range(len(drawn))) else drawn[
+                _upload_long(order, self.device)]
+        logits = self._graph_logits(seqs, input_ids)
         if logits is None:
-            input_ids, positions, meta, sample_rows = self._prepare(seqs)
+            ids, positions, meta, sample_rows = self._prepare(seqs)
+            if input_ids is not None:
+                ids = input_ids
             if self.lora is not None:
                 self.lora.begin_step([s.request for s in seqs], [s.num_new_tokens for s in seqs])
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[sample_rows])
+        return Step(batch, [s.request for s in seqs if s.samples], logits)
+
+    @torch.inference_mode()
+    def sample(self, step: Step, reqs: list[Request], masks: Future | None = None) -> None:
+        """Queue the draw of `reqs`, the step's sampling rows still wanted (in row order), after
+        their grammar masks (`masks`: filled already; None fills them now)."""
+        logits = step.logits
+        if reqs != step.rows:
+            wanted = set(reqs)
+            keep = [i for i, r in enumerate(step.rows) if r in wanted]
+            logits = logits[_upload_long(keep, self.device)]
+        if masks is None and self.grammar is not None:
+            masks = self.grammar.start_fill(reqs)
         finite = torch.isfinite(logits).all(dim=1)  # (N,): comes back with the sampled tokens
         # The sampler computes on finite numbers only; the rows that had others are dropped.
         logits.nan_to_num_(0.0, 0.0, 0.0)
-        grammar_errors = GrammarStage.apply(logits, masks)
-        samples = self.sampler(logits, reqs, ok=finite)
+        step.grammar_errors = GrammarStage.apply(logits, masks)
+        step.drawn = self.sampler.launch(logits, reqs, ok=finite)
+
+    def collect(self, step: Step) -> list[tuple[Request, SampleResult]]:
+        """Wait for the step's drawn tokens (its one sync): (request, sample) per drawn row."""
+        if step.drawn is None:
+            return []
+        reqs = step.drawn.reqs
+        samples = self.sampler.collect(step.drawn)
         for row, sample in enumerate(samples):
             if sample.token_id < 0:
                 samples[row] = SampleResult(-1, error=_non_finite_error(reqs[row]))
-        for row, why in grammar_errors.items():
+        for row, why in step.grammar_errors.items():
             samples[row] = SampleResult(-1, error=why)
-        by_req = dict(zip(reqs, samples, strict=True))
-        return [by_req[s.request] for s in batch.seqs if s.samples]
+        return list(zip(reqs, samples, strict=True))
 
     def _layout(self, s: ScheduledSeq) -> tuple[bool, int]:
         """Decodes first; within them, one run per adapter slot (SGMV segments, not BGMV)."""
         return s.num_new_tokens != 1, self.lora.slot_of(s.request) if self.lora else -1
 
-    def _graph_logits(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+    def _graph_logits(
+        self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """Logits of a decode-only step, or of one sequence's short last chunk, from a CUDA
-        graph; None when no graph fits the step."""
+        graph; None when no graph fits the step. `input_ids`: the decodes' tokens on the
+        device (else they are read from the requests)."""
         if self.graphs is None:
             return None
         if len(seqs) == 1 and seqs[0].num_new_tokens > 1:
@@ -117,7 +162,7 @@ class ModelRunner:
             if s.num_new_tokens != 1 or not s.samples:
                 return None
             req, pos = s.request, s.start
-            ids.append(req.token_ids[pos])
+            ids.append(0 if input_ids is not None else req.token_ids[pos])
             positions.append(pos)
             slots.append(self._slot(req.pages, pos))
             tables.append(self._pages(req.pages, pos + 1))
@@ -128,7 +173,7 @@ class ModelRunner:
             lora_slots = [self.lora.slot_of(s.request) for s in seqs]
             if all(slot < 0 for slot in lora_slots):
                 lora_slots = None
-        return self.graphs.run(ids, positions, slots, tables, lora_slots)
+        return self.graphs.run(ids, positions, slots, tables, lora_slots, input_ids)
 
     def _extend_graph_logits(self, seq: ScheduledSeq) -> torch.Tensor | None:
         req, start, n = seq.request, seq.start, seq.num_new_tokens
@@ -166,7 +211,8 @@ class ModelRunner:
             table = self._pages(req.pages, end)
             lens.append(end)
             if n == 1:
-                ids.append(req.token_ids[start])
+                # A decode ahead of its token (`launch(after=...)`) gets it on the device.
+                ids.append(req.token_ids[start] if start < req.num_tokens else 0)
                 pos.append(start)
                 slots.append(self._slot(req.pages, start))
                 decode_tables.append(table)
@@ -214,6 +260,23 @@ class ModelRunner:
             staged[o : o + len(part)] = part
         dev = host.to(self.device, non_blocking=True)
         return [dev[o : o + len(part)] for o, part in zip(offsets, parts, strict=True)]
+
+
+@dataclass
+class Step:
+    """A launched forward: its logits are queued on the device; `ModelRunner.sample` queues the
+    draw and `collect` reads it back."""
+
+    batch: Batch
+    rows: list[Request]  # the requests whose last position has a row of `logits`, in order
+    logits: torch.Tensor  # (len(rows), vocab) fp32
+    drawn: Drawn | None = None
+    grammar_errors: dict[int, str] = field(default_factory=dict)  # drawn row -> why
+
+
+def _upload_long(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _flat(tables: list[list[int]]) -> list[int]:

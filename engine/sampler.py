@@ -22,6 +22,18 @@ class SampleResult:
     error: str | None = None  # the row could not be sampled: its request fails with this
 
 
+@dataclass
+class Drawn:
+    """Tokens drawn on the device, on their way back to the host."""
+
+    tokens: torch.Tensor  # (N,) int64 on the device; -1 for rows that could not be sampled
+    host: torch.Tensor  # (N,) the same, in (pinned) host memory once `done` has passed
+    done: torch.cuda.Event | None  # None on the CPU
+    reqs: list[Request]
+    logprobs: torch.Tensor | None  # (N, V) log-softmax, when a row asked for logprobs
+    logprob_rows: list[int]
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
@@ -30,14 +42,24 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    @torch.inference_mode()
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], ok: torch.Tensor | None = None
     ) -> list[SampleResult]:
-        """logits: [N, V] fp32 (modified in place), on any device; reqs: the N requests, row
+        """Draw and read back at once: `collect(launch(...))`."""
+        return self.collect(self.launch(logits, reqs, ok))
+
+    @torch.inference_mode()
+    def launch(
+        self, logits: torch.Tensor, reqs: list[Request], ok: torch.Tensor | None = None
+    ) -> Drawn:
+        """Queue the draw of every row; nothing waits for the device.
+
+        logits: [N, V] fp32 (modified in place), on any device; reqs: the N requests, row
         order. ok: [N] bool on the logits' device, or None for all; a row not ok comes back with
-        token_id -1 (its request fails). The tokens and `ok` come back to the host in one
-        transfer, the step's one sync for a batch without logprobs."""
+        token_id -1 (its request fails). The tokens (with `ok` folded in) start back to the
+        host at once, into pinned memory: `collect` waits for that copy only, the step's one
+        sync for a batch without logprobs.
+        """
         dev = logits.device
         random_rows: list[int] = []
         logprob_rows: list[int] = []
@@ -63,15 +85,27 @@ class Sampler:
             tokens[rows] = self._draw(probs, [reqs[i] for i in random_rows])
         if ok is not None:
             tokens = torch.where(ok, tokens, -1)
+        if not tokens.is_cuda:
+            return Drawn(tokens, tokens, None, reqs, logprobs, logprob_rows)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Drawn(tokens, host, done, reqs, logprobs, logprob_rows)
 
-        token_list = tokens.tolist()
+    @torch.inference_mode()
+    def collect(self, drawn: Drawn) -> list[SampleResult]:
+        """Wait for the drawn tokens; one `SampleResult` per row, in row order."""
+        if drawn.done is not None:
+            drawn.done.synchronize()
+        token_list = drawn.host.tolist()
         out = [SampleResult(t) for t in token_list]
-        for i in logprob_rows:
+        for i in drawn.logprob_rows:
             t = token_list[i]
             if t < 0:
                 continue
-            k = reqs[i].params.logprobs or 0
-            row = logprobs[i]
+            k = drawn.reqs[i].params.logprobs or 0
+            row = drawn.logprobs[i]
             top = []
             if k:
                 vals, ids = row.topk(k)

@@ -149,9 +149,31 @@ class Scheduler:
             budget -= n
         return batch
 
+    def schedule_ahead(self, reqs: list[Request]) -> Batch | None:
+        """The decode step after the one in flight, scheduled before its tokens are known: each
+        of `reqs` (running; the step in flight draws its next token) decodes that token. None
+        when a request's page cannot be reserved without preempting: the regular `schedule`
+        decides that once the step in flight is done."""
+        batch = Batch()
+        for req in reqs:
+            if not self._reserve(req, req.num_tokens + 1):
+                return None
+            seq = ScheduledSeq(req, req.num_tokens, 1)
+            seq.samples = True  # its input is the token being drawn
+            batch.seqs.append(seq)
+        return batch or None
+
+    def admits_now(self) -> bool:
+        """Could `schedule` start a waiting request now (a seat is free and one is ready)?"""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        return any(self.is_ready(req) for req in self.waiting)
+
     def update(self, batch: Batch, sampled: dict[Request, int]) -> None:
-        """Advance every scheduled request; append the tokens sampled this step."""
+        """Advance every scheduled request still running; append the tokens sampled this step."""
         for seq in batch.seqs:
+            if seq.request.status is not Status.RUNNING:  # ended while the step was in flight
+                continue
             seq.request.num_computed_tokens = seq.start + seq.num_new_tokens
             if seq.num_new_tokens > 1:  # a prefill chunk: its full pages join the cache
                 self.cache.commit(seq.request)

@@ -67,10 +67,10 @@ class RecordingSampler:
     def __init__(self, sampler) -> None:
         self.sampler, self.logits = sampler, {}
 
-    def __call__(self, logits, reqs, ok=None):
+    def launch(self, logits, reqs, ok=None):
         for row, req in zip(logits, reqs, strict=True):
             self.logits[(req.request_id, req.num_tokens - 1)] = row.clone()
-        return self.sampler(logits, reqs, ok)
+        return self.sampler.launch(logits, reqs, ok)
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)
