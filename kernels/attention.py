@@ -32,23 +32,20 @@ class AttentionMetadata:
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend.
+    """Attend; this step's K/V are in the cache already (`kernels.fused.rope_cache` writes
+    them at `meta.slot_mapping`).
 
     Args:
-        q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens.
+        q: [T, H, D] for the step's new tokens.
         k_cache, v_cache: [S, KVH, D] slot arrays of this layer.
     Returns:
         [T, H, D]
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:

@@ -1,4 +1,5 @@
-"""Fused elementwise stages of the decoder layer: RMSNorm, RoPE on q and k, SiLU-and-mul.
+"""Fused elementwise stages of the decoder layer: RMSNorm (alone, and after the residual
+add), RoPE on q and k with the step's K/V written to the paged cache, SiLU-and-mul.
 
 Each is one Triton kernel on CUDA in place of the several torch kernels of its reference; in
 a decode step these tensors are small, so the separate launches, not the bytes, were the cost
@@ -20,11 +21,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return fn(x, weight, eps)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotary embedding of q [T, H, D] and k [T, KVH, D]; cos, sin: [T, 1, D // 2] (HF's
-    half-rotation layout). Returns (q, k); the Triton path rotates them in place."""
-    fn = rope_triton if q.is_cuda else rope_torch
-    return fn(q, k, cos, sin)
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm: returns (rms_norm(x + residual), x + residual),
+    the sum rounded to x's dtype first (as HF's `hidden = residual + out`). The Triton path
+    writes both in place of its inputs (normed into x, the sum into residual)."""
+    fn = add_rms_norm_triton if x.is_cuda else add_rms_norm_torch
+    return fn(x, residual, weight, eps)
+
+
+def rope_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding of q [T, H, D] and k [T, KVH, D] (cos, sin: [T, 1, D // 2], HF's
+    half-rotation layout); the rotated k and v [T, KVH, D] go to rows `slots` [T] of the
+    paged caches [S, KVH, D]. Returns the rotated q (the Triton path rotates it in place)."""
+    fn = rope_cache_triton if q.is_cuda else rope_cache_torch
+    return fn(q, k, v, cos, sin, k_cache, v_cache, slots)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -43,15 +64,26 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * h.to(x.dtype)
 
 
-def rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: r = x + residual; (rms_norm_torch(r, weight, eps), r)"""
+    r = x + residual
+    return rms_norm_torch(r, weight, eps), r
+
+
+def rope_cache_torch(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
     """Semantics, for x in (q, k): x1, x2 = halves of x's last axis;
-    x <- cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)."""
+    x <- cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin); then k_cache[slots] = k,
+    v_cache[slots] = v; returns q."""
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    return rotate(q), rotate(k)
+    k_cache.index_copy_(0, slots, rotate(k))
+    v_cache.index_copy_(0, slots, v)
+    return rotate(q)
 
 
 def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
@@ -75,17 +107,32 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return out
 
 
-def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Same contract as `rope_torch`, rotating q and k in place (strided views are fine)."""
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `add_rms_norm_torch`, in place: x gets the normed rows, residual the
+    sums (both [T, N], rows contiguous)."""
+    n = x.shape[-1]
+    block = triton.next_power_of_2(n)
+    _add_rms_norm_kernel[(x.shape[0],)](
+        x, residual, weight, x.stride(0), residual.stride(0), n, eps,
+        BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return x, residual
+
+
+def rope_cache_triton(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+    """Same contract as `rope_cache_torch`, rotating q in place (q, k, v may be strided views
+    of the qkv projection's output; each cache row [KVH, D] contiguous)."""
     half = q.shape[2] // 2
-    _rope_kernel[(q.shape[0],)](
-        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), sin.stride(0), half,
-        H=q.shape[1], KVH=k.shape[1], H_PAD=triton.next_power_of_2(q.shape[1]),
+    _rope_cache_kernel[(q.shape[0],)](
+        q, k, v, cos, sin, k_cache, v_cache, slots, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), k_cache.stride(0),
+        half, H=q.shape[1], KVH=k.shape[1], H_PAD=triton.next_power_of_2(q.shape[1]),
         KVH_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(half),
         num_warps=4,
     )
-    return q, k
+    return q
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
@@ -113,31 +160,57 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_out, N, eps, BLOCK: tl.conste
 
 
 @triton.jit
-def _rope_rotate(ptr, cos, sin, s_h, n_heads, HALF, N_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
-    heads = tl.arange(0, N_PAD)
-    d = tl.arange(0, HALF_PAD)
-    mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
-    p1 = ptr + heads[:, None] * s_h + d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(p1, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(p1 + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_x, s_r, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * s_x + cols, mask=ok, other=0.0)
+    r = tl.load(r_ptr + row * s_r + cols, mask=ok, other=0.0)
+    total = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream's rounding
+    tl.store(r_ptr + row * s_r + cols, total, mask=ok)
+    h = total.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+    h = (h * rstd).to(x.dtype).to(tl.float32)  # HF rounds to x's dtype before the weight
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * s_x + cols, (w * h).to(x_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _rope_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, s_q_t, s_q_h, s_k_t, s_k_h, s_cos, s_sin, HALF,
-    H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
-    HALF_PAD: tl.constexpr,
+def _rope_rotate(src, dst, cos, sin, s_h, s_dst_h, n_heads, HALF, N_PAD: tl.constexpr,
+                 HALF_PAD: tl.constexpr):
+    heads = tl.arange(0, N_PAD)
+    d = tl.arange(0, HALF_PAD)
+    mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
+    p1 = src + heads[:, None] * s_h + d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    out = dst + heads[:, None] * s_dst_h + d[None, :]
+    tl.store(out, (a * cos - b * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, (b * cos + a * sin).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr, s_q_t, s_q_h, s_k_t,
+    s_k_h, s_v_t, s_v_h, s_cos, s_sin, s_cache, HALF, H: tl.constexpr, KVH: tl.constexpr,
+    H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
 ):
-    # One program: every q and k head of one token.
+    # One program: every q, k and v head of one token.
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     cos = tl.load(cos_ptr + t * s_cos + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + t * s_sin + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-    _rope_rotate(q_ptr + t * s_q_t, cos, sin, s_q_h, H, HALF, H_PAD, HALF_PAD)
-    _rope_rotate(k_ptr + t * s_k_t, cos, sin, s_k_h, KVH, HALF, KVH_PAD, HALF_PAD)
+    q = q_ptr + t * s_q_t
+    _rope_rotate(q, q, cos, sin, s_q_h, s_q_h, H, HALF, H_PAD, HALF_PAD)
+    row = tl.load(slots_ptr + t).to(tl.int64) * s_cache  # this token's cache row
+    _rope_rotate(k_ptr + t * s_k_t, kc_ptr + row, cos, sin, s_k_h, 2 * HALF, KVH, HALF, KVH_PAD,
+                 HALF_PAD)
+    heads = tl.arange(0, KVH_PAD)[:, None]
+    d2 = tl.arange(0, 2 * HALF_PAD)[None, :]
+    mask = (heads < KVH) & (d2 < 2 * HALF)
+    v = tl.load(v_ptr + t * s_v_t + heads * s_v_h + d2, mask=mask, other=0.0)
+    tl.store(vc_ptr + row + heads * (2 * HALF) + d2, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

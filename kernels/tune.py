@@ -26,6 +26,7 @@ from kernels import paged_attention as pa
 
 H, KVH, D, PAGE, HIDDEN, INTER, RANK = 32, 8, 128, 16, 4096, 14336, 16
 BF16 = torch.bfloat16
+FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_cache", "silu_mul")  # `--unfused`: torch's
 
 
 def bench(fn) -> float:
@@ -196,10 +197,10 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
     weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
     results = {}
     for fused_ops in (True, False) if unfused else (True,):
-        saved = (fused.rms_norm, fused.rope, fused.silu_mul)
+        saved = {name: getattr(fused, name) for name in FUSED_OPS}
         if not fused_ops:
-            fused.rms_norm, fused.rope, fused.silu_mul = (
-                fused.rms_norm_torch, fused.rope_torch, fused.silu_mul_torch)
+            for name in FUSED_OPS:
+                setattr(fused, name, getattr(fused, f"{name}_torch"))
         runner = ModelRunner(model, num_pages=128 * 66, page_size=PAGE, lora=lora,
                              cuda_graph_max_batch=128, max_model_len=2048)
         for batch in (1, 64, 128):
@@ -219,7 +220,8 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
                   f"{row['base']['ms']:.3f} ms ({row['base']['roofline_fraction']:.2f} of "
                   f"roofline {roofline * 1e3:.3f}), lora8 {row['lora8']['ms']:.3f}, lora64 "
                   f"{row['lora64']['ms']:.3f} ms", flush=True)
-        fused.rms_norm, fused.rope, fused.silu_mul = saved
+        for name, fn in saved.items():
+            setattr(fused, name, fn)
         del runner
         torch.cuda.empty_cache()
     return results

@@ -1,4 +1,5 @@
-"""Fused RMSNorm, RoPE and SiLU-and-mul: Triton vs the torch references (tiny shapes in the
+"""Fused RMSNorm (alone and after the residual add), RoPE with the K/V cache write, and
+SiLU-and-mul: Triton vs the torch references (tiny shapes in the
 interpreter on CPU; Llama-3-8B shapes in bf16 on a GPU)."""
 
 from __future__ import annotations
@@ -44,17 +45,35 @@ def check(tokens, hidden, heads, kv_heads, head_dim, inter, dtype):
     ref = fused.rms_norm_torch(x.float(), w.float(), 1e-5)
     assert_close(fused.rms_norm_triton(x, w, 1e-5), ref)
 
-    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)  # rope works on strided views
+    r = randn(tokens, hidden)
+    normed_ref, sum_ref = fused.add_rms_norm_torch(x.float(), r.float(), w.float(), 1e-5)
+    normed, total = fused.add_rms_norm_triton(x.clone(), r.clone(), w, 1e-5)
+    assert_close(total, sum_ref)
+    assert_close(normed, fused.rms_norm_torch(total.float(), w.float(), 1e-5))
+    assert_close(normed, normed_ref)
+
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)  # q, k, v: strided views
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
     angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 6.3
     cos, sin = angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
-    q_ref, k_ref = fused.rope_torch(q.float(), k.float(), cos.float(), sin.float())
-    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
-    q_got, k_got = fused.rope_triton(q, k, cos, sin)
+    slots = torch.randperm(2 * tokens + 3, generator=gen)[:tokens].to(DEVICE)
+    shape = (2 * tokens + 3, kv_heads, head_dim)
+    k_ref, v_ref = torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE)
+    q_ref = fused.rope_cache_torch(q.float(), k.float(), v.float(), cos.float(), sin.float(),
+                                   k_ref, v_ref, slots)
+    k_cache, v_cache = (torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+                        for _ in range(2))
+    kv_before = qkv[:, heads * head_dim :].clone()
+    q_got = fused.rope_cache_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
     assert_close(q_got, q_ref)
-    assert_close(k_got, k_ref)
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+    assert_close(k_cache[slots], k_ref[slots])
+    assert torch.equal(v_cache[slots], v)
+    assert torch.equal(qkv[:, heads * head_dim :], kv_before)  # k and v are read, not rotated
+    others = torch.ones(shape[0], dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert k_cache[others].isnan().all() and v_cache[others].isnan().all()
 
     gate_up = randn(tokens, 2 * inter) * 3
     poison((tokens, inter), dtype)

@@ -26,6 +26,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); may write into x and residual."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies `[head_dim // 2]`, with linear or llama3 scaling applied."""
@@ -70,14 +74,17 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = fused.rope(
+        q = fused.rope_cache(
             q.view(T, self.num_heads, self.head_dim),
             k.view(T, self.num_kv_heads, self.head_dim),
+            v.view(T, self.num_kv_heads, self.head_dim),
             cos,
             sin,
+            kv_cache[0],
+            kv_cache[1],
+            meta.slot_mapping,
         )
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -99,9 +106,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """x: the previous layer's MLP output (the embeddings for the first layer, whose
+        `residual` is None); returns this layer's MLP output and the residual stream before
+        it. Each residual add is fused into the RMSNorm after it."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,9 +152,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D/2)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        return self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
