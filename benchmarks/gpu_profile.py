@@ -161,7 +161,8 @@ def replay_ms(graph, reps: int = 20) -> float:
 
 
 KINDS = (("gemm", ("nvjet", "gemm", "sm90", "cutlass", "splitK")), ("attn_decode", ("_decode",)),
-         ("attn_prefill", ("_prefill",)), ("lora", ("_bgmv", "_sgmv")),
+         ("attn_prefill", ("_prefill",)),
+         ("lora", ("_bgmv", "_sgmv", "_shrink_kernel", "_expand_kernel")),
          ("fused", ("_rms", "_rope", "_silu")), ("copy_index", ("index", "copy", "Memcpy")))
 
 

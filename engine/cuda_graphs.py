@@ -3,7 +3,8 @@
 A decode-only step of `n` sequences replays the graph of the smallest captured size `b >= n`.
 Every input lives in a static buffer the graph was captured on; rows `n..b` are padding: token
 0 at position 0, its K/V written to the runner's spare pad page, its logits ignored. With LoRA,
-each size has a second graph whose projections run BGMV over the static per-token slots.
+each size has a second graph whose projections run `kernels.seg_lora` over a static segment
+table (capacity: one segment per row), refilled from the step's adapter slots before a replay.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from engine.models.llama import LlamaForCausalLM
 from engine.staged_inputs import StagedInputs
 from kernels.attention import AttentionMetadata
+from kernels.seg_lora import segment_table
 from lora.batch import LoraBatchInfo
 from lora.layers import LoraContext
 
@@ -31,13 +33,20 @@ def capture_graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     return graph, out
 
 
-def _set_lora(lora: LoraContext | None, token_slots: torch.Tensor, with_lora: bool) -> None:
-    """The LoRA wrappers read `lora.info` while being captured: BGMV over the static per-token
-    slots (segments would make the grid depend on the batch's adapters), or none."""
+def _set_lora(
+    lora: LoraContext | None, seg_indptr: torch.Tensor, seg_slots: torch.Tensor, with_lora: bool
+) -> None:
+    """The LoRA wrappers read `lora.info` while being captured: segmented LoRA over the static
+    segment table (its capacity, not the step's adapters, sizes the grid), or none."""
     if lora is not None:
-        empty = token_slots[:0]
-        lora.info = (LoraBatchInfo(token_slots, empty, empty, 0, use_sgmv=False, has_lora=True)
-                     if with_lora else None)
+        lora.info = LoraBatchInfo.segmented(seg_indptr, seg_slots) if with_lora else None
+
+
+def _stage_segments(h: dict, slots: list[int], capacity: int) -> None:
+    """Write the segment table of rows with adapter `slots` into the staged host buffers."""
+    indptr, seg_slots = segment_table(slots, capacity)
+    h["seg_indptr"][: capacity + 1] = indptr
+    h["seg_slots"][:capacity] = seg_slots
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -48,7 +57,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class _GraphSet:
     """What the decode and extend graph sets share: capturing every size, with and without
-    LoRA. Subclasses set `sizes`, `lora`, `token_slots`, `graphs` and define `_forward(b)`."""
+    LoRA. Subclasses set `sizes`, `lora`, `seg_indptr`, `seg_slots`, `graphs` and define
+    `_forward(b)`."""
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -57,7 +67,7 @@ class _GraphSet:
         variants = (False, True) if self.lora is not None else (False,)
         for b in reversed(self.sizes):
             for with_lora in variants:
-                _set_lora(self.lora, self.token_slots[:b], with_lora)
+                _set_lora(self.lora, self.seg_indptr[: b + 1], self.seg_slots[:b], with_lora)
                 self.graphs[(b, with_lora)] = capture_graph(lambda b=b: self._forward(b), pool)
         if self.lora is not None:
             self.lora.info = None
@@ -88,13 +98,15 @@ class DecodeGraphs(_GraphSet):
             ("positions", torch.long, (b,), 0),
             ("slot_mapping", torch.long, (b,), self.pad_slot),
             ("lens", torch.int32, (b,), 1),
-            ("token_slots", torch.int32, (b,), -1),
+            ("seg_indptr", torch.int32, (b + 1,), 0),
+            ("seg_slots", torch.int32, (b,), -1),
             ("tables", torch.int32, (b, max_pages_per_seq), pad_page),
         ], device)
         d = self.inputs.dev
         self.input_ids, self.positions, self.slot_mapping = (
             d["input_ids"], d["positions"], d["slot_mapping"])
-        self.lens, self.token_slots, self.tables = d["lens"], d["token_slots"], d["tables"]
+        self.lens, self.tables = d["lens"], d["tables"]
+        self.seg_indptr, self.seg_slots = d["seg_indptr"], d["seg_slots"]
         self._rows: list[list[int] | None] = [None] * b  # the pages each host table row holds
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -134,9 +146,8 @@ class DecodeGraphs(_GraphSet):
         h["tables"][n:b, 0] = self.pad_page
         self._rows[n:b] = [None] * (b - n)
         with_lora = lora_slots is not None
-        if with_lora:
-            h["token_slots"][:n] = lora_slots
-            h["token_slots"][n:b] = -1
+        if with_lora:  # rows n..b (padding) are in no segment
+            _stage_segments(h, lora_slots, b)
         self.inputs.send("tables", b)
         if device_ids is not None:
             self.input_ids[:n].copy_(device_ids)
@@ -204,14 +215,15 @@ class ExtendGraphs(_GraphSet):
             ("slot_mapping", torch.long, (b,), self.pad_slot),
             ("sample_row", torch.long, (1,), 0),
             ("lens", torch.int32, (1,), b),
-            ("token_slots", torch.int32, (b,), -1),
+            ("seg_indptr", torch.int32, (b + 1,), 0),
+            ("seg_slots", torch.int32, (b,), -1),
             ("table", torch.int32, (1, max_pages_per_seq), pad_page),
         ], device)
         d = self.inputs.dev
         self.input_ids, self.positions, self.slot_mapping = (
             d["input_ids"], d["positions"], d["slot_mapping"])
-        self.sample_row, self.lens, self.token_slots, self.table = (
-            d["sample_row"], d["lens"], d["token_slots"], d["table"])
+        self.sample_row, self.lens, self.table = d["sample_row"], d["lens"], d["table"]
+        self.seg_indptr, self.seg_slots = d["seg_indptr"], d["seg_slots"]
         self.query_start = {s: torch.tensor([0, s], dtype=torch.int32, device=device)
                             for s in self.sizes}
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -249,9 +261,8 @@ class ExtendGraphs(_GraphSet):
         h["lens"][0] = start + b
         h["sample_row"][0] = n - 1
         with_lora = lora_slot is not None
-        if with_lora:
-            h["token_slots"][:n] = lora_slot
-            h["token_slots"][n:b] = -1
+        if with_lora:  # the padding queries are in no segment
+            _stage_segments(h, [lora_slot] * n, b)
         self.inputs.send("table", 1)
         graph, logits = self.graphs[(b, with_lora)]
         graph.replay()

@@ -81,7 +81,8 @@ def test_cuda_matches_cpu(tiny):
 
 def test_bf16_graphs_match_eager(tiny):
     """Eight base-model requests: the graph of size 8 runs the same kernels on the same shapes
-    as the eager steps (with adapters, eager decodes take SGMV where graphs take BGMV)."""
+    as the eager steps (with adapters, eager decodes take SGMV or BGMV where graphs take
+    `kernels.seg_lora`)."""
     base, _ = tiny
     requests = [None] * 8
     eager, _ = generate(base, {}, requests, device="cuda", dtype="bfloat16", cuda_graphs=False)
