@@ -233,8 +233,8 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
     def score(t: dict[int, float]) -> float:
         return t[8] / ref[8] + t[64] / ref[64]
 
-    shrink_cfgs = list(itertools.product([64], [128, 256], [256, 512, 1024, 2048], [4], [2, 3]))
-    expand_cfgs = list(itertools.product([64, 128, 256], [256, 512, 1024, 2048], [4], [1, 2]))
+    shrink_cfgs = list(itertools.product([64], [128, 256], [256, 512, 1024, 2048], [4], [3]))
+    expand_cfgs = list(itertools.product([64, 128, 256], [256, 512, 1024], [4], [2]))
     if quick:
         shrink_cfgs, expand_cfgs = [seg_lora.SHRINK_CONFIG], [seg_lora.EXPAND_CONFIG]
     best_shrink, best_expand = seg_lora.SHRINK_CONFIG, seg_lora.EXPAND_CONFIG
