@@ -87,8 +87,7 @@ def decode_case(eng, prompts, params, steps: int = 12) -> dict:
         out["overlapped_step_ms"] = round((time.perf_counter() - t) / steps * 1e3, 2)
     runner = eng.runner
     if runner.graphs is not None:  # the graph the timed steps replayed, alone
-        with_lora = any(r.params.adapter for r in eng.scheduler.running)
-        graph, _ = runner.graphs.graphs[(len(prompts), with_lora)]
+        graph, _ = runner.graphs.graphs[runner.graphs.last_key]
         out["graph_replay_ms"] = round(replay_ms(graph) * 1e3, 2)
     prof = cProfile.Profile()
     prof.enable()

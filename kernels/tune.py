@@ -174,9 +174,10 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
 def sweep_seg(copy_bw: float, quick: bool) -> dict:
     """Segmented LoRA vs BGMV as the decode graphs run them: one CUDA graph of 8 layers x 4
     fused projections (shrink + expand each), batch 64, 64 resident adapters, rows sorted by
-    adapter, with 1, 8 and 64 distinct adapters. Shrink configs are swept at the default
-    expand, then expand configs at the best shrink; a config's score is its time over BGMV's,
-    summed over 8 and 64 adapters."""
+    adapter, with 1 to 64 distinct adapters. Shrink configs are swept at the default expand,
+    then expand configs at the best shrink; a config's score is its time over BGMV's, summed
+    over 8 and 64 adapters. `crossover`: the most distinct adapters (at 16 rows a segment,
+    the most segments) at which the best config still beats BGMV."""
     from engine.config import ModelConfig
     from lora.slots import LoraSlots
 
@@ -210,7 +211,7 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
 
     as_int = dict(dtype=torch.int32, device="cuda")
     mixes = {}
-    for d in (1, 8, 64):
+    for d in (1, 8, 16, 32, 64):
         rows = [i * d // batch for i in range(batch)]
         indptr, seg_slots = seg_lora.segment_table(rows, batch)
         mixes[d] = (torch.tensor(rows, **as_int), torch.tensor(indptr, **as_int),
@@ -233,8 +234,8 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
     def score(t: dict[int, float]) -> float:
         return t[8] / ref[8] + t[64] / ref[64]
 
-    shrink_cfgs = list(itertools.product([64], [128, 256], [256, 512, 1024, 2048], [4], [3]))
-    expand_cfgs = list(itertools.product([64, 128, 256], [256, 512, 1024], [4], [2]))
+    shrink_cfgs = list(itertools.product([64], [128, 256], [512, 1024, 2048], [4], [3]))
+    expand_cfgs = list(itertools.product([64, 128, 256], [2, 4]))
     if quick:
         shrink_cfgs, expand_cfgs = [seg_lora.SHRINK_CONFIG], [seg_lora.EXPAND_CONFIG]
     best_shrink, best_expand = seg_lora.SHRINK_CONFIG, seg_lora.EXPAND_CONFIG
@@ -252,6 +253,7 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
                                     bw_fraction=(d * slot_bytes + io_bytes) / t[d] / copy_bw)
                             for d in t}
     report["best"] = str(best)
+    report["crossover"] = max([0] + [d for d in mixes if results[best][d] <= ref[d]])
     for key in ("bgmv", str((seg_lora.SHRINK_CONFIG, seg_lora.EXPAND_CONFIG)), str(best)):
         if key in report:
             print(f"lora pass {key}: " + ", ".join(

@@ -24,7 +24,7 @@ NUM_SLOTS, HIDDEN = 6, 72
 ROW_SLOTS = [-1] * 2 + [3] * 20 + [1] + [-1] * 3 + [0] * 5 + [4] + [2] * 2 + [5]
 CAPACITY = len(ROW_SLOTS) + 4
 TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (4e-2, 2e-2)}  # (atol, rtol)
-SMALL = ((16, 16, 32, 4, 1), (16, 32, 4, 1))  # 3 splits of K = 72; tiles straddle slices
+SMALL = ((16, 16, 32, 4, 1), (16, 4))  # 3 splits of K = 72; tiles straddle slices
 CONFIGS = {"small": SMALL, "default": (seg_lora.SHRINK_CONFIG, seg_lora.EXPAND_CONFIG)}
 SIZES = {"qkv": (40, 24, 8), "gate_up": (32, 48), "o": (56,)}
 
