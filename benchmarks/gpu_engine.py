@@ -1,5 +1,5 @@
 """The GPU suite's engine worker: decode throughput (base and multi-LoRA), roofline fractions,
-the BGMV kernels' bandwidth, constrained decoding and session TTFT, on one engine.
+the LoRA kernels' bandwidth, constrained decoding and session TTFT, on one engine.
 
 Run by benchmarks/gpu_suite.py; it appends one JSON line per section to --out.
 """
@@ -29,7 +29,8 @@ from gpu_common import (
 )
 
 from engine import LLM
-from lora.batch import LoraBatchInfo
+from kernels.seg_lora import segment_table
+from lora.batch import LoraBatchInfo, graph_kernel
 from lora.slots import FUSED, LoraSlots
 
 RANK = 16
@@ -142,8 +143,9 @@ def derive(s: Section, setup) -> None:
 
 
 def lora_kernel(s: Section, cfg, bw: float, batch: int = 64) -> None:
-    """Bytes/s of shrink + expand (BGMV: every token its own adapter) over all four fused
-    projections of 8 layers, each slot's weights read once per pass (1 GB+, far past L2)."""
+    """Bytes/s of shrink + expand over all four fused projections of 8 layers, every token its
+    own adapter, with the kernel the decode graphs replay for such a step (`graph_kernel`):
+    each slot's weights read once per pass (1 GB+, far past L2)."""
     small = dataclasses.replace(cfg, num_layers=8)
     slots = LoraSlots(small, batch, RANK, torch.bfloat16, "cuda")
     for layer in slots.layers:
@@ -151,8 +153,13 @@ def lora_kernel(s: Section, cfg, bw: float, batch: int = 64) -> None:
             stack.a.normal_(0, stack.a.shape[2] ** -0.5)
             stack.b.normal_(0, 0.02)
     slots.scales.fill_(2.0)
-    info = LoraBatchInfo.build(list(range(batch)), [1] * batch, "cuda")
-    assert not info.use_sgmv
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    indptr, seg_slots = segment_table(list(range(batch)), batch)
+    info = (LoraBatchInfo.segmented(ints(indptr), ints(seg_slots)) if graph_kernel(batch)
+            == "segmented" else LoraBatchInfo.per_token(ints(list(range(batch)))))
+    s.result["lora_kernel_graph_kernel"] = info.kernel
     xs = {f: torch.randn(batch, slots.layers[0][f].a.shape[2], device="cuda",
                          dtype=torch.bfloat16) for f in FUSED}
     ys = {f: torch.randn(batch, slots.layers[0][f].b.shape[1], device="cuda",

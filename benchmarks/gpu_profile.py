@@ -87,8 +87,7 @@ def decode_case(eng, prompts, params, steps: int = 12) -> dict:
         out["overlapped_step_ms"] = round((time.perf_counter() - t) / steps * 1e3, 2)
     runner = eng.runner
     if runner.graphs is not None:  # the graph the timed steps replayed, alone
-        with_lora = any(r.params.adapter for r in eng.scheduler.running)
-        graph, _ = runner.graphs.graphs[(len(prompts), with_lora)]
+        graph, _ = runner.graphs.graphs[runner.graphs.last_key]
         out["graph_replay_ms"] = round(replay_ms(graph) * 1e3, 2)
     prof = cProfile.Profile()
     prof.enable()
@@ -161,7 +160,8 @@ def replay_ms(graph, reps: int = 20) -> float:
 
 
 KINDS = (("gemm", ("nvjet", "gemm", "sm90", "cutlass", "splitK")), ("attn_decode", ("_decode",)),
-         ("attn_prefill", ("_prefill",)), ("lora", ("_bgmv", "_sgmv")),
+         ("attn_prefill", ("_prefill",)),
+         ("lora", ("_bgmv", "_sgmv", "_shrink_kernel", "_expand_kernel")),
          ("fused", ("_rms", "_rope", "_silu")), ("copy_index", ("index", "copy", "Memcpy")))
 
 

@@ -7,7 +7,7 @@ one is recorded in the JSON and the rest still run):
   1. `pytest -m gpu` over the test files that hold GPU tests;
   2. benchmarks/gpu_engine.py: decode tokens/s (base; 1/8/16/64/256 distinct rank-16
      adapters on all 7 projections; 1k-token contexts), roofline fractions against a
-     device-to-device copy measured in the same process, BGMV bandwidth, constrained/
+     device-to-device copy measured in the same process, LoRA kernel bandwidth, constrained/
      unconstrained, session TTFT;
   3. benchmarks/gpu_baselines.py: against transformers `generate` (static batches of 64) and
      peft's mixed-adapter batch, on the same weights.

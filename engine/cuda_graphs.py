@@ -3,7 +3,11 @@
 A decode-only step of `n` sequences replays the graph of the smallest captured size `b >= n`.
 Every input lives in a static buffer the graph was captured on; rows `n..b` are padding: token
 0 at position 0, its K/V written to the runner's spare pad page, its logits ignored. With LoRA,
-each size has a second graph whose projections run BGMV over the static per-token slots.
+each size has two more graphs: one whose projections run `kernels.seg_lora` over a static
+segment table (capacity: one segment per row), refilled from the step's adapter slots before a
+replay, and one running BGMV over static per-token slots, replayed when the step's adapters
+make more segments than `lora.batch.graph_kernel` allows (then each row reads its own adapter
+anyway, and BGMV's wider grid reads faster). Graphs are keyed `(size, LoRA kernel or None)`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import torch
 from engine.models.llama import LlamaForCausalLM
 from engine.staged_inputs import StagedInputs
 from kernels.attention import AttentionMetadata
-from lora.batch import LoraBatchInfo
+from kernels.seg_lora import segment_table
+from lora.batch import LoraBatchInfo, graph_kernel
 from lora.layers import LoraContext
 
 
@@ -31,13 +36,13 @@ def capture_graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     return graph, out
 
 
-def _set_lora(lora: LoraContext | None, token_slots: torch.Tensor, with_lora: bool) -> None:
-    """The LoRA wrappers read `lora.info` while being captured: BGMV over the static per-token
-    slots (segments would make the grid depend on the batch's adapters), or none."""
-    if lora is not None:
-        empty = token_slots[:0]
-        lora.info = (LoraBatchInfo(token_slots, empty, empty, 0, use_sgmv=False, has_lora=True)
-                     if with_lora else None)
+def _stage_segments(h: dict, slots: list[int], capacity: int) -> int:
+    """Write the segment table of rows with adapter `slots` into the staged host buffers;
+    returns how many of its segments have an adapter."""
+    indptr, seg_slots = segment_table(slots, capacity)
+    h["seg_indptr"][: capacity + 1] = indptr
+    h["seg_slots"][:capacity] = seg_slots
+    return sum(s >= 0 for s in seg_slots)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -47,21 +52,36 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class _GraphSet:
-    """What the decode and extend graph sets share: capturing every size, with and without
-    LoRA. Subclasses set `sizes`, `lora`, `token_slots`, `graphs` and define `_forward(b)`."""
+    """What the decode and extend graph sets share: capturing every size, without LoRA and
+    with each LoRA kernel of `lora_kernels`. Subclasses set `sizes`, `lora`, `seg_indptr`,
+    `seg_slots`, `token_slots`, `graphs` and define `_forward(b)`."""
+
+    lora_kernels: tuple[str, ...] = ("segmented", "bgmv")
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first so the smaller graphs reuse its memory pool."""
         pool = torch.cuda.graph_pool_handle()
-        variants = (False, True) if self.lora is not None else (False,)
+        variants = (None, *self.lora_kernels) if self.lora is not None else (None,)
         for b in reversed(self.sizes):
-            for with_lora in variants:
-                _set_lora(self.lora, self.token_slots[:b], with_lora)
-                self.graphs[(b, with_lora)] = capture_graph(lambda b=b: self._forward(b), pool)
+            for kernel in variants:
+                self._set_lora(b, kernel)
+                self.graphs[(b, kernel)] = capture_graph(lambda b=b: self._forward(b), pool)
         if self.lora is not None:
             self.lora.info = None
         torch.cuda.synchronize()
+
+    def _set_lora(self, b: int, kernel: str | None) -> None:
+        """The LoRA wrappers read `lora.info` while being captured: a kernel over the static
+        LoRA inputs of size `b` (their capacity, not the step's adapters, sizes the grid)."""
+        if self.lora is None:
+            return
+        if kernel == "segmented":
+            self.lora.info = LoraBatchInfo.segmented(self.seg_indptr[: b + 1], self.seg_slots[:b])
+        elif kernel == "bgmv":
+            self.lora.info = LoraBatchInfo.per_token(self.token_slots[:b])
+        else:
+            self.lora.info = None
 
 
 class DecodeGraphs(_GraphSet):
@@ -89,12 +109,16 @@ class DecodeGraphs(_GraphSet):
             ("slot_mapping", torch.long, (b,), self.pad_slot),
             ("lens", torch.int32, (b,), 1),
             ("token_slots", torch.int32, (b,), -1),
+            ("seg_indptr", torch.int32, (b + 1,), 0),
+            ("seg_slots", torch.int32, (b,), -1),
             ("tables", torch.int32, (b, max_pages_per_seq), pad_page),
         ], device)
         d = self.inputs.dev
         self.input_ids, self.positions, self.slot_mapping = (
             d["input_ids"], d["positions"], d["slot_mapping"])
-        self.lens, self.token_slots, self.tables = d["lens"], d["token_slots"], d["tables"]
+        self.lens, self.tables, self.token_slots = d["lens"], d["tables"], d["token_slots"]
+        self.seg_indptr, self.seg_slots = d["seg_indptr"], d["seg_slots"]
+        self.last_key: tuple[int, str | None] | None = None  # the graph replayed last
         self._rows: list[list[int] | None] = [None] * b  # the pages each host table row holds
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -133,14 +157,17 @@ class DecodeGraphs(_GraphSet):
         h["lens"][n:b] = 1
         h["tables"][n:b, 0] = self.pad_page
         self._rows[n:b] = [None] * (b - n)
-        with_lora = lora_slots is not None
-        if with_lora:
-            h["token_slots"][:n] = lora_slots
-            h["token_slots"][n:b] = -1
+        kernel = None
+        if lora_slots is not None:  # rows n..b (padding) are in no segment and have no slot
+            kernel = graph_kernel(_stage_segments(h, lora_slots, b))
+            if kernel == "bgmv":
+                h["token_slots"][:n] = lora_slots
+                h["token_slots"][n:b] = -1
         self.inputs.send("tables", b)
         if device_ids is not None:
             self.input_ids[:n].copy_(device_ids)
-        graph, logits = self.graphs[(b, with_lora)]
+        self.last_key = (b, kernel)
+        graph, logits = self.graphs[self.last_key]
         graph.replay()
         return logits[:n]
 
@@ -177,8 +204,10 @@ class ExtendGraphs(_GraphSet):
     `b >= n`: the chunk becomes `b` queries at positions `ctx - n .. ctx - n + b - 1`. The
     `b - n` padding queries come after the real ones, so causality hides them from every real
     query; they write their K/V to the pad page, read the pad page past the context, and only
-    the last real token's logits are kept.
+    the last real token's logits are kept. One sequence is one adapter, so LoRA is segmented.
     """
+
+    lora_kernels = ("segmented",)
 
     def __init__(
         self,
@@ -204,14 +233,15 @@ class ExtendGraphs(_GraphSet):
             ("slot_mapping", torch.long, (b,), self.pad_slot),
             ("sample_row", torch.long, (1,), 0),
             ("lens", torch.int32, (1,), b),
-            ("token_slots", torch.int32, (b,), -1),
+            ("seg_indptr", torch.int32, (b + 1,), 0),
+            ("seg_slots", torch.int32, (b,), -1),
             ("table", torch.int32, (1, max_pages_per_seq), pad_page),
         ], device)
         d = self.inputs.dev
         self.input_ids, self.positions, self.slot_mapping = (
             d["input_ids"], d["positions"], d["slot_mapping"])
-        self.sample_row, self.lens, self.token_slots, self.table = (
-            d["sample_row"], d["lens"], d["token_slots"], d["table"])
+        self.sample_row, self.lens, self.table = d["sample_row"], d["lens"], d["table"]
+        self.seg_indptr, self.seg_slots = d["seg_indptr"], d["seg_slots"]
         self.query_start = {s: torch.tensor([0, s], dtype=torch.int32, device=device)
                             for s in self.sizes}
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -248,12 +278,11 @@ class ExtendGraphs(_GraphSet):
         h["table"][0, len(pages) :] = self.pad_page
         h["lens"][0] = start + b
         h["sample_row"][0] = n - 1
-        with_lora = lora_slot is not None
-        if with_lora:
-            h["token_slots"][:n] = lora_slot
-            h["token_slots"][n:b] = -1
+        kernel = None if lora_slot is None else "segmented"
+        if kernel:  # the padding queries are in no segment
+            _stage_segments(h, [lora_slot] * n, b)
         self.inputs.send("table", 1)
-        graph, logits = self.graphs[(b, with_lora)]
+        graph, logits = self.graphs[(b, kernel)]
         graph.replay()
         return logits
 

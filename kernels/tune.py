@@ -1,11 +1,11 @@
 """Kernel timing sweep on a CUDA device:
-`python -m kernels.tune [--sweep decode prefill bgmv] [--unfused] [--out tune.json]`.
+`python -m kernels.tune [--sweep decode prefill bgmv seg] [--unfused] [--out tune.json]`.
 
-Measures the device-to-device copy bandwidth, then the paged-attention and BGMV kernels over a
-few configs each at Llama-3-8B shapes (bf16, 16-token pages, rank-16 adapters), reporting each
-as achieved bytes/s over the copy bandwidth; last, a decode step of a 4-layer 8B-shaped model
-under CUDA graphs, base and multi-LoRA (`--unfused`: also with torch's elementwise ops).
-Families not named in `--sweep` run their default configs only.
+Measures the device-to-device copy bandwidth, then the paged-attention, BGMV and segmented
+LoRA kernels over a few configs each at Llama-3-8B shapes (bf16, 16-token pages, rank-16
+adapters), reporting each as achieved bytes/s over the copy bandwidth; last, a decode step of a
+4-layer 8B-shaped model under CUDA graphs, base and multi-LoRA (`--unfused`: also with torch's
+elementwise ops). Families not named in `--sweep` run their default configs only.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from kernels import bgmv, fused
+from kernels import bgmv, fused, seg_lora
 from kernels import paged_attention as pa
 
 H, KVH, D, PAGE, HIDDEN, INTER, RANK = 32, 8, 128, 16, 4096, 14336, 16
@@ -171,6 +171,107 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
     return results
 
 
+def sweep_seg(copy_bw: float, quick: bool) -> dict:
+    """Segmented LoRA vs BGMV as the decode graphs run them: one CUDA graph of 8 layers x 4
+    fused projections (shrink + expand each), batch 64, 64 resident adapters, rows sorted by
+    adapter, with 1 to 64 distinct adapters. Shrink configs are swept at the default expand,
+    then expand configs at the best shrink; a config's score is its time over BGMV's, summed
+    over 8 and 64 adapters. `crossover`: the most distinct adapters (at 16 rows a segment,
+    the most segments) at which the best config still beats BGMV."""
+    from engine.config import ModelConfig
+    from lora.slots import LoraSlots
+
+    layers, batch = 8, 64
+    cfg = ModelConfig(vocab_size=1, hidden_size=HIDDEN, intermediate_size=INTER,
+                      num_layers=layers, num_heads=H, num_kv_heads=KVH, head_dim=D,
+                      max_position=1)
+    slots = LoraSlots(cfg, batch, RANK, BF16, "cuda")
+    for stack in (s for layer in slots.layers for s in layer.values()):
+        stack.a.normal_(0, stack.a.shape[2] ** -0.5)
+        stack.b.normal_(0, 0.02)
+    slots.scales.fill_(2.0)
+    xs = {f: torch.randn(batch, s.a.shape[2], device="cuda", dtype=BF16)
+          for f, s in slots.layers[0].items()}
+    ys = {f: torch.randn(batch, s.b.shape[1], device="cuda", dtype=BF16)
+          for f, s in slots.layers[0].items()}
+    io_bytes = layers * sum(xs[f].nbytes + 2 * ys[f].nbytes for f in xs)
+    slot_bytes = sum(s.a[0].nbytes + s.b[0].nbytes for layer in slots.layers
+                     for s in layer.values())
+
+    def graph_time(apply) -> float:
+        def one_pass():
+            for i in range(layers):
+                for f, s in slots.layers[i].items():
+                    apply(ys[f], xs[f], s)
+        one_pass()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            one_pass()
+        return bench(graph.replay)
+
+    as_int = dict(dtype=torch.int32, device="cuda")
+    mixes = {}
+    for d in (1, 8, 16, 32, 64):
+        rows = [i * d // batch for i in range(batch)]
+        indptr, seg_slots = seg_lora.segment_table(rows, batch)
+        mixes[d] = (torch.tensor(rows, **as_int), torch.tensor(indptr, **as_int),
+                    torch.tensor(seg_slots, **as_int))
+
+    def times(shrink_cfg=None, expand_cfg=None) -> dict[int, float]:
+        out = {}
+        for d, (rows, indptr, seg_slots) in mixes.items():
+            if shrink_cfg is None:  # BGMV over the per-token slots
+                out[d] = graph_time(partial(_bgmv_apply, scales=slots.scales, token_slots=rows))
+            else:
+                out[d] = graph_time(partial(_seg_apply, scales=slots.scales, indptr=indptr,
+                                            seg_slots=seg_slots, configs=(shrink_cfg, expand_cfg)))
+        return out
+
+    results = {"bgmv": times()}
+    ref = results["bgmv"]
+    print("lora bgmv: " + " ".join(f"{d}:{t * 1e6:.0f}us" for d, t in ref.items()), flush=True)
+
+    def score(t: dict[int, float]) -> float:
+        return t[8] / ref[8] + t[64] / ref[64]
+
+    shrink_cfgs = list(itertools.product([64], [128, 256], [512, 1024, 2048], [4], [3]))
+    expand_cfgs = list(itertools.product([64, 128, 256], [2, 4]))
+    if quick:
+        shrink_cfgs, expand_cfgs = [seg_lora.SHRINK_CONFIG], [seg_lora.EXPAND_CONFIG]
+    best_shrink, best_expand = seg_lora.SHRINK_CONFIG, seg_lora.EXPAND_CONFIG
+    for stage, cfgs in (("shrink", shrink_cfgs), ("expand", expand_cfgs)):
+        for c in cfgs:
+            pair = (c, best_expand) if stage == "shrink" else (best_shrink, c)
+            results[pair] = times(*pair)
+            print(f"lora {stage} {pair}: " + " ".join(
+                f"{d}:{t * 1e6:.0f}us" for d, t in results[pair].items()), flush=True)
+        best = min((p for p in results if p != "bgmv"), key=lambda p: score(results[p]))
+        best_shrink, best_expand = best
+    report = {}
+    for key, t in results.items():
+        report[str(key)] = {d: dict(us_per_layer=t[d] / layers * 1e6,
+                                    bw_fraction=(d * slot_bytes + io_bytes) / t[d] / copy_bw)
+                            for d in t}
+    report["best"] = str(best)
+    report["crossover"] = max([0] + [d for d in mixes if results[best][d] <= ref[d]])
+    for key in ("bgmv", str((seg_lora.SHRINK_CONFIG, seg_lora.EXPAND_CONFIG)), str(best)):
+        if key in report:
+            print(f"lora pass {key}: " + ", ".join(
+                f"{d} adapters {r['us_per_layer']:6.1f} us/layer ({r['bw_fraction']:.2f} of copy)"
+                for d, r in report[key].items()), flush=True)
+    return report
+
+
+def _bgmv_apply(y, x, stack, scales, token_slots) -> None:
+    t = bgmv.bgmv_shrink_triton(x, stack.a, token_slots)
+    bgmv.bgmv_expand_slices_triton(y, t, stack.b, stack.sizes, token_slots, scales)
+
+
+def _seg_apply(y, x, stack, scales, indptr, seg_slots, configs) -> None:
+    seg_lora.seg_lora_triton(y, x, stack.a, stack.b, stack.sizes, indptr, seg_slots, scales,
+                             seg_lora.MAX_ROWS, *configs)
+
+
 def step_profile(copy_bw: float, unfused: bool) -> dict:
     """Decode steps of a 4-layer Llama-3-8B-shaped model with CUDA graphs, ctx 1024."""
     from engine.config import ModelConfig
@@ -229,7 +330,7 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", nargs="*", default=["decode", "prefill", "bgmv"])
+    parser.add_argument("--sweep", nargs="*", default=["decode", "prefill", "bgmv", "seg"])
     parser.add_argument("--unfused", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -241,6 +342,7 @@ def main() -> None:
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     report["decode"] = sweep_decode(bw, "decode" not in args.sweep)
     report["bgmv"] = sweep_bgmv(bw, "bgmv" not in args.sweep)
+    report["seg"] = sweep_seg(bw, "seg" not in args.sweep)
     report["prefill"] = sweep_prefill("prefill" not in args.sweep)
     report["step"] = step_profile(bw, args.unfused)
     if args.out:

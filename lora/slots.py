@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lora.adapter import LoraAdapter
-from lora.batch import LoraBatchInfo, lora_expand_slices, lora_shrink
+from lora.batch import LoraBatchInfo, lora_shrink_expand
 from lora.validate import projection_dims
 
 if TYPE_CHECKING:
@@ -114,5 +114,4 @@ class LoraSlots:
         if not info.has_lora:
             return
         stack = self.layers[layer][fused]
-        t = lora_shrink(x, stack.a, info)  # (num_tokens, num_slices * r_max)
-        lora_expand_slices(y, t, stack.b, stack.sizes, self.scales, info)
+        lora_shrink_expand(y, x, stack.a, stack.b, stack.sizes, self.scales, info)

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from kernels.seg_lora import segment_table
 from lora.adapter import load_adapter
 from lora.batch import LoraBatchInfo, lora_expand, lora_expand_slices, lora_shrink
 from lora.slots import LoraSlots
@@ -19,13 +20,13 @@ def test_build_merges_runs():
     assert info.token_slots.tolist() == [2, 2, 2, 2, -1, -1, 0, 0, 0, 0, 5]
     assert info.seg_indptr.tolist() == [0, 4, 6, 10, 11]
     assert info.seg_slots.tolist() == [2, -1, 0, 5]
-    assert info.max_seg_len == 4 and info.use_sgmv and info.has_lora
+    assert info.max_seg_len == 4 and info.kernel == "sgmv" and info.has_lora
     assert info.token_slots.dtype == torch.int32
 
 
 def test_interleaved_decodes_use_bgmv_and_base_only_has_no_lora():
     info = LoraBatchInfo.build([0, 1, 0, 1], [1, 1, 1, 1])
-    assert not info.use_sgmv and info.seg_slots.tolist() == [0, 1, 0, 1]
+    assert info.kernel == "bgmv" and info.seg_slots.tolist() == [0, 1, 0, 1]
     assert not LoraBatchInfo.build([-1, -1], [1, 7]).has_lora
     empty = LoraBatchInfo.build([], [])
     assert empty.token_slots.numel() == 0 and not empty.has_lora
@@ -39,8 +40,8 @@ def test_sgmv_and_bgmv_paths_agree():
     b2 = torch.randn(4, 12, 8, generator=gen)
     scales = torch.tensor([0.5, 1.0, 2.0, 4.0])
     results = []
-    for use_sgmv in (True, False):
-        i = dataclasses.replace(info, use_sgmv=use_sgmv)
+    for kernel in ("sgmv", "bgmv"):
+        i = dataclasses.replace(info, kernel=kernel)
         t = lora_shrink(x, a, i)  # (15, 3 slices x rank 8)
         y = torch.zeros(15, 60)
         lora_expand_slices(y, t, torch.cat([b, b2, b], dim=1), (20, 12, 20), scales, i)
@@ -91,8 +92,15 @@ def _hf_fused(model, layer, fused, x, lora=True):
     return torch.cat([m(x) for m in mods], dim=-1)
 
 
-@pytest.mark.parametrize("use_sgmv", [True, False], ids=["sgmv", "bgmv"])
-def test_fused_slots_match_peft(tmp_path, use_sgmv):
+def segmented_info(token_slots: list[int], capacity: int) -> LoraBatchInfo:
+    """What a CUDA graph's LoRA layers see: a fixed-capacity segment table."""
+    indptr, slots = segment_table(token_slots, capacity)
+    as_int = dict(dtype=torch.int32)
+    return LoraBatchInfo.segmented(torch.tensor(indptr, **as_int), torch.tensor(slots, **as_int))
+
+
+@pytest.mark.parametrize("kernel", ["sgmv", "bgmv", "segmented"])
+def test_fused_slots_match_peft(tmp_path, kernel):
     """One mixed batch through fused qkv / gate_up slot buffers equals peft per adapter."""
     peft_a, ad_a, base = _peft_model(
         tmp_path, "a", 1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj"]
@@ -112,7 +120,9 @@ def test_fused_slots_match_peft(tmp_path, use_sgmv):
     slots.load(2, ad_a)
     slots.load(0, ad_b)
     # tokens: 3 of adapter a, 2 base-only, 4 of adapter b, 1 of a
-    info = dataclasses.replace(LoraBatchInfo.build([2, -1, 0, 2], [3, 2, 4, 1]), use_sgmv=use_sgmv)
+    info = dataclasses.replace(LoraBatchInfo.build([2, -1, 0, 2], [3, 2, 4, 1]), kernel=kernel)
+    if kernel == "segmented":  # capacity beyond the 10 rows: unused trailing segments
+        info = segmented_info(info.token_slots.tolist(), 12)
     rows_a, rows_base, rows_b = [0, 1, 2, 9], [3, 4], [5, 6, 7, 8]
     gen = torch.Generator().manual_seed(0)
     for layer in range(base.num_layers):
