@@ -122,13 +122,26 @@ def seg_lora_triton(
 ) -> None:
     """Same contract as `seg_lora_torch`; `t` exists only as the shrink's fp32 partials.
     Configs default to SHRINK_CONFIG and EXPAND_CONFIG."""
-    shrink_config = shrink_config or SHRINK_CONFIG
-    k_split = _k_split(x.shape[1], shrink_config)
-    splits = triton.cdiv(x.shape[1], k_split)
-    partials = x.new_empty(splits, x.shape[0], a_stack.shape[1], dtype=torch.float32)
-    seg_shrink_triton(x, a_stack, seg_indptr, seg_slots, max_rows, partials, shrink_config)
+    partials = seg_shrink(x, a_stack, seg_indptr, seg_slots, max_rows, shrink_config)
     seg_expand_triton(y, partials, b_stack, sizes, seg_indptr, seg_slots, scales, max_rows,
                       expand_config or EXPAND_CONFIG)
+
+
+def seg_shrink(
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    max_rows: int = MAX_ROWS,
+    config: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """The shrink half of `seg_lora_triton`: returns the fp32 partials [splits, T, S * R] that
+    `seg_expand_triton` sums (so a CUDA graph can run the two on different streams)."""
+    config = config or SHRINK_CONFIG
+    splits = triton.cdiv(x.shape[1], _k_split(x.shape[1], config))
+    partials = x.new_empty(splits, x.shape[0], a_stack.shape[1], dtype=torch.float32)
+    seg_shrink_triton(x, a_stack, seg_indptr, seg_slots, max_rows, partials, config)
+    return partials
 
 
 def _k_split(k: int, config: tuple[int, ...]) -> int:

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 from kernels.bgmv import bgmv_expand, bgmv_expand_slices, bgmv_shrink
-from kernels.seg_lora import MAX_ROWS, seg_lora
+from kernels.seg_lora import EXPAND_CONFIG, MAX_ROWS, seg_expand_triton, seg_lora, seg_shrink
 from kernels.sgmv import sgmv_expand, sgmv_shrink
 
 
@@ -185,4 +185,29 @@ def lora_shrink_expand(
                  info.max_seg_len)
         return
     t = lora_shrink(x, a_stack, info)  # (num_tokens, len(sizes) * r_max)
+    lora_expand_slices(y, t, b_stack, sizes, scales, info)
+
+
+def projection_shrink(x: torch.Tensor, a_stack: torch.Tensor, info: LoraBatchInfo):
+    """`lora_shrink_expand` in two halves, so that a CUDA graph can run the shrink on a side
+    stream beside the base projection (Triton kernels only). Returns `t` for
+    `projection_expand`: [T, len(sizes) * r_max], or the segmented kernel's fp32 partials."""
+    if info.kernel == "segmented":
+        return seg_shrink(x, a_stack, info.seg_indptr, info.seg_slots, info.max_seg_len)
+    return lora_shrink(x, a_stack, info)
+
+
+def projection_expand(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    b_stack: torch.Tensor,
+    sizes: Sequence[int],
+    scales: torch.Tensor,
+    info: LoraBatchInfo,
+) -> None:
+    """y += the expand of `projection_shrink`'s `t`."""
+    if info.kernel == "segmented":
+        seg_expand_triton(y, t, b_stack, sizes, info.seg_indptr, info.seg_slots, scales,
+                          info.max_seg_len, EXPAND_CONFIG)
+        return
     lora_expand_slices(y, t, b_stack, sizes, scales, info)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lora.adapter import LoraAdapter
-from lora.batch import LoraBatchInfo, lora_shrink_expand
+from lora.batch import LoraBatchInfo, lora_shrink_expand, projection_expand, projection_shrink
 from lora.validate import projection_dims
 
 if TYPE_CHECKING:
@@ -115,3 +115,12 @@ class LoraSlots:
             return
         stack = self.layers[layer][fused]
         lora_shrink_expand(y, x, stack.a, stack.b, stack.sizes, self.scales, info)
+
+    def shrink(self, x: torch.Tensor, layer: int, fused: str, info: LoraBatchInfo):
+        """`apply` in two halves (`expand(y, shrink(x))`), for a CUDA graph to run the shrink
+        on a side stream; needs `info.has_lora`."""
+        return projection_shrink(x, self.layers[layer][fused].a, info)
+
+    def expand(self, y: torch.Tensor, t, layer: int, fused: str, info: LoraBatchInfo) -> None:
+        stack = self.layers[layer][fused]
+        projection_expand(y, t, stack.b, stack.sizes, self.scales, info)
