@@ -4,8 +4,8 @@ A decode-only step of `n` sequences replays the graph of the smallest captured s
 Every input lives in a static buffer the graph was captured on; rows `n..b` are padding: token
 0 at position 0, its K/V written to the runner's spare pad page, its logits ignored. With LoRA,
 each size has two more graphs: one whose projections run `kernels.seg_lora` over a static
-segment table (capacity: one segment per row), refilled from the step's adapter slots before a
-replay, and one running BGMV over static per-token slots, replayed when the step's adapters
+segment table of fixed capacity (`segment_capacity`), refilled from the step's adapter slots
+before a replay, and one running BGMV over static per-token slots, replayed when the step's adapters
 make more segments than `lora.batch.graph_kernel` allows (then each row reads its own adapter
 anyway, and BGMV's wider grid reads faster). Graphs are keyed `(size, LoRA kernel or None)`.
 """
@@ -17,8 +17,8 @@ import torch
 from engine.models.llama import LlamaForCausalLM
 from engine.staged_inputs import StagedInputs
 from kernels.attention import AttentionMetadata
-from kernels.seg_lora import segment_table
-from lora.batch import LoraBatchInfo, graph_kernel
+from kernels.seg_lora import MAX_ROWS, segment_table
+from lora.batch import SEGMENTED_MAX_SEGMENTS, LoraBatchInfo, graph_kernel
 from lora.layers import LoraContext
 
 
@@ -54,7 +54,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 class _GraphSet:
     """What the decode and extend graph sets share: capturing every size, without LoRA and
     with each LoRA kernel of `lora_kernels`. Subclasses set `sizes`, `lora`, `seg_indptr`,
-    `seg_slots`, `token_slots`, `graphs` and define `_forward(b)`."""
+    `seg_slots`, `token_slots`, `graphs`; they define `_forward(b)` and
+    `segment_capacity(b)`."""
 
     lora_kernels: tuple[str, ...] = ("segmented", "bgmv")
 
@@ -77,7 +78,9 @@ class _GraphSet:
         if self.lora is None:
             return
         if kernel == "segmented":
-            self.lora.info = LoraBatchInfo.segmented(self.seg_indptr[: b + 1], self.seg_slots[:b])
+            cap = self.segment_capacity(b)
+            self.lora.info = LoraBatchInfo.segmented(self.seg_indptr[: cap + 1],
+                                                     self.seg_slots[:cap])
         elif kernel == "bgmv":
             self.lora.info = LoraBatchInfo.per_token(self.token_slots[:b])
         else:
@@ -85,6 +88,13 @@ class _GraphSet:
 
 
 class DecodeGraphs(_GraphSet):
+    @staticmethod
+    def segment_capacity(b: int) -> int:
+        """Segments the segmented LoRA graph of size `b` launches programs for: its step has at
+        most `SEGMENTED_MAX_SEGMENTS` with an adapter, and one of base rows (sorted by slot,
+        they are one run). Every program past the step's segments exits at once, but costs."""
+        return min(b, SEGMENTED_MAX_SEGMENTS + 1)
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -208,6 +218,11 @@ class ExtendGraphs(_GraphSet):
     """
 
     lora_kernels = ("segmented",)
+
+    @staticmethod
+    def segment_capacity(b: int) -> int:
+        """One sequence, one adapter: segments of `MAX_ROWS` rows."""
+        return -(-b // MAX_ROWS)
 
     def __init__(
         self,
