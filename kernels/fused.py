@@ -152,11 +152,17 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_out, N, eps, BLOCK: tl.conste
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(x_ptr + row * s_x + cols, mask=ok, other=0.0)
+    out = _rms_normed(x, w_ptr, cols, ok, N, eps)
+    tl.store(out_ptr + row * s_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rms_normed(x, w_ptr, cols, ok, N, eps):
+    """weight * (x / rms(x)) in fp32, x rounded to its dtype before the weight (as HF)."""
     h = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
-    h = (h * rstd).to(x.dtype).to(tl.float32)  # HF rounds to x's dtype before the weight
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * s_out + cols, (w * h).to(out_ptr.dtype.element_ty), mask=ok)
+    h = (h * rstd).to(x.dtype).to(tl.float32)
+    return tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * h
 
 
 @triton.jit
@@ -168,11 +174,8 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_x, s_r, N, eps, BLOCK: tl.conste
     r = tl.load(r_ptr + row * s_r + cols, mask=ok, other=0.0)
     total = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream's rounding
     tl.store(r_ptr + row * s_r + cols, total, mask=ok)
-    h = total.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
-    h = (h * rstd).to(x.dtype).to(tl.float32)  # HF rounds to x's dtype before the weight
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(x_ptr + row * s_x + cols, (w * h).to(x_ptr.dtype.element_ty), mask=ok)
+    out = _rms_normed(total, w_ptr, cols, ok, N, eps)
+    tl.store(x_ptr + row * s_x + cols, out.to(x_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
