@@ -206,12 +206,15 @@ def bgmv_expand_slices_triton(
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages). Shrink is a long-K, narrow-N product (K = hidden
-# or intermediate, N = slices x rank): 4-row tiles give 4x more programs than 16-row ones, so
-# the waves even out. Expand is short-K (K = rank). H100 sweep in `kernels.tune` (bf16, batch
-# 64, a distinct rank-16 adapter per token), one layer's 4 shrinks + 4 expands: 174 -> 132 us,
-# 0.46 of the copy bandwidth; fusing the slices' expands took q/k/v from 23 to 12 us.
-SHRINK_CONFIG = (4, 1024, 8, 1)
-EXPAND_CONFIG = (256, 16, 4, 1)
+# or intermediate, N = slices x rank): one output row per program gives the most programs, and
+# wide, double-buffered K tiles keep each one's loads in flight. Expand is short-K (K = rank).
+# Timed as the engine runs them, in a CUDA graph of 8 layers (H100, bf16, batch 64, a distinct
+# rank-16 adapter per token), as fractions of the copy bandwidth, against the earlier
+# (4, 1024, 8, 1) / (256, 16, 4, 1): shrink qkv 0.75 (0.74), gate_up 0.65 (0.64), o 0.50
+# (0.42), down 0.78 (0.63); expand qkv 0.54 (0.51), gate_up 0.84 (0.77), o / down 0.50 / 0.48
+# (0.51 / 0.49). Single-kernel timings with L2 flushed (`kernels.tune`) had ranked them apart.
+SHRINK_CONFIG = (1, 4096, 8, 2)
+EXPAND_CONFIG = (256, 16, 2, 1)
 
 
 def _launch(
