@@ -101,7 +101,7 @@ class ModelRunner:
             rows = {r: i for i, r in enumerate(after.drawn.reqs)}
             order = [rows[s.request] for s in seqs]
             input_ids = drawn if order == list(range(len(drawn))) else drawn[
-                _upload_long(order, self.device)]
+                self._upload([order], torch.long)[0]]
         logits = self._graph_logits(seqs, input_ids)
         if logits is None:
             ids, positions, meta, sample_rows = self._prepare(seqs)
@@ -121,7 +121,7 @@ class ModelRunner:
         if reqs != step.rows:
             wanted = set(reqs)
             keep = [i for i, r in enumerate(step.rows) if r in wanted]
-            logits = logits[_upload_long(keep, self.device)]
+            logits = logits[self._upload([keep], torch.long)[0]]
         if masks is None and self.grammar is not None:
             masks = self.grammar.start_fill(reqs)
         finite = torch.isfinite(logits).all(dim=1)  # (N,): comes back with the sampled tokens
@@ -272,11 +272,6 @@ class Step:
     logits: torch.Tensor  # (len(rows), vocab) fp32
     drawn: Drawn | None = None
     grammar_errors: dict[int, str] = field(default_factory=dict)  # drawn row -> why
-
-
-def _upload_long(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def _flat(tables: list[list[int]]) -> list[int]:
