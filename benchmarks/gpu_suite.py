@@ -10,7 +10,9 @@ one is recorded in the JSON and the rest still run):
      device-to-device copy measured in the same process, LoRA kernel bandwidth, constrained/
      unconstrained, session TTFT;
   3. benchmarks/gpu_baselines.py: against transformers `generate` (static batches of 64) and
-     peft's mixed-adapter batch, on the same weights.
+     peft's mixed-adapter batch, on the same weights;
+  4. `switchboard serve` on the device, once: it must start from the installed wheels and
+     answer a chat completion (a smoke test; its failure is recorded, not fatal).
 The default full run fits 9 minutes on one H100 (budgets below add up to under 8 minutes plus
 process start-ups); --quick is a short smoke run (the 1B preset, smaller grids).
 Writes --out (JSON) and the same stem with .md (the table).
@@ -21,10 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,8 +43,8 @@ SOURCE = {"lora_vs_base_b64": "decode", "lora64_roofline_fraction_b64": "decode"
           "roofline_fraction_b64": "decode", "vs_transformers": "vs_transformers",
           "lora_vs_peft_b64": "vs_peft", "constrained_vs_unconstrained_b64": "constrained",
           "lora_kernel_bw_fraction": "lora_kernel", "session_ttft_speedup_4k": "session"}
-FULL = {"tests": 80, "engine": 220, "baselines": 170}
-QUICK = {"tests": 45, "engine": 75, "baselines": 50}
+FULL = {"tests": 80, "engine": 220, "baselines": 170, "serve": 90}
+QUICK = {"tests": 45, "engine": 75, "baselines": 50, "serve": 90}
 
 
 def main() -> None:
@@ -66,11 +72,13 @@ def main() -> None:
         "engine": worker("gpu_engine.py", common + engine_args, budget["engine"]),
         "baselines": worker("gpu_baselines.py", common + base_args, budget["baselines"]),
     }
+    serve = serve_smoke(model, budget["serve"])
     sections = {}
     for line in parts.read_text().splitlines():
         d = json.loads(line)
         sections[d.pop("section")] = d
     results = collect(model, sections, tests, workers, time.monotonic() - start, args.quick)
+    results["serve_smoke"] = serve
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     table = render(results)
@@ -98,6 +106,60 @@ def gpu_tests(limit: float) -> dict:
                     if " passed" in ln or " failed" in ln or " error" in ln), "no summary")
     return {"status": "ok" if rc == 0 else ("timeout" if rc == -1 else f"exit {rc}"),
             "summary": summary, "files": files, "seconds": round(time.monotonic() - t, 1)}
+
+
+def serve_smoke(model: str, limit: float) -> dict:
+    """Start `switchboard serve` on the device, wait for /ready, send one chat completion, then
+    SIGTERM it (a drain: exit 0 expected). Catches what only the server imports or starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--device", "cuda",
+           "--dtype", "bfloat16", "--kv-cache-gb", "4", "--port", str(port),
+           "--log-level", "info"]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    t = time.monotonic()
+    res: dict = {"status": "not ready"}
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": path})
+        try:
+            while time.monotonic() - t < limit and proc.poll() is None:
+                try:
+                    urllib.request.urlopen(url + "/ready", timeout=2).read()
+                    break
+                except (urllib.error.URLError, OSError):
+                    time.sleep(0.5)
+            if proc.poll() is None and time.monotonic() - t < limit:
+                res["ready_s"] = round(time.monotonic() - t, 1)
+                models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())
+                body = json.dumps({"model": models["data"][0]["id"], "max_tokens": 8,
+                                   "messages": [{"role": "user", "content": "Say hi."}]}).encode()
+                req = urllib.request.Request(url + "/v1/chat/completions", body,
+                                             {"Content-Type": "application/json"})
+                reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+                res["completion_tokens"] = reply["usage"]["completion_tokens"]
+                res["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 - recorded in the results
+            res["status"] = f"failed: {type(e).__name__}: {e}"
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    res["exit"] = proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    res["exit"] = "killed"
+            else:
+                res["exit"] = proc.returncode
+            log.seek(0)
+            tail = log.read()[-2000:]
+    if res["status"] != "ok" or res["exit"] != 0:
+        res["log_tail"] = tail
+        print(tail, flush=True)
+    res["seconds"] = round(time.monotonic() - t, 1)
+    return res
 
 
 def worker(script: str, argv: list[str], budget: float) -> dict:
@@ -144,6 +206,7 @@ def render(r: dict) -> str:
              f"{r['triton']}, transformers {r['transformers']}, {r['date']}, "
              f"{r['suite_seconds']} s{' (quick)' if r['quick'] else ''}",
              f"GPU tests: {r['gpu_tests'].get('status')} ({r['gpu_tests'].get('summary', '')})",
+             _serve_line(r.get("serve_smoke", {})),
              "", "| figure | value | target | note |", "|---|---|---|---|"]
     bw = r.get("copy_bw_bytes_per_s")
     lines.append(f"| copy bandwidth (read + write) | {bw / 1e12:.2f} TB/s | | |" if bw else
@@ -163,6 +226,13 @@ def render(r: dict) -> str:
             lines.append(f"| decode tok/s {kind} batch {b} | {v} | | "
                          f"{d.get('step_ms')} ms/step, roofline {d.get('roofline_fraction')} |")
     return "\n".join(lines) + "\n"
+
+
+def _serve_line(s: dict) -> str:
+    if s.get("status") == "ok" and s.get("exit") == 0:
+        return (f"`switchboard serve`: ok (ready in {s['ready_s']} s, one chat completion of "
+                f"{s['completion_tokens']} tokens, drained and exited 0)")
+    return f"`switchboard serve`: {s.get('status', 'did not run')} (exit {s.get('exit')})"
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import redis.asyncio as aioredis
-
 from gateway.auth import SharedKeys
 from gateway.limits import SharedLimiter
 from gateway.shared_adapters import SharedAdapters
@@ -32,6 +30,8 @@ log = logging.getLogger(__name__)
 
 class Cluster:
     def __init__(self, rt: Runtime, url: str):
+        import redis.asyncio as aioredis  # only replicas given --redis-url need the package
+
         cfg = rt.config
         self.rt = rt
         self.redis = aioredis.Redis.from_url(url, decode_responses=True,

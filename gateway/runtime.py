@@ -8,10 +8,10 @@ import asyncio
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from engine.async_engine import LOAD_STAGES, AsyncEngine
 from gateway.auth import Authenticator
-from gateway.cluster import Cluster
 from gateway.config import ServeConfig
 from gateway.errors import APIError, not_ready
 from gateway.limits import SharedLimiter, TenantLimiter
@@ -20,6 +20,9 @@ from gateway.params import EngineFacts
 from gateway.shared_adapters import SharedAdapters
 from gateway.tokenizer import GatewayTokenizer
 from sessions.store import MemoryStore, RedisStore, SessionStore
+
+if TYPE_CHECKING:
+    from gateway.cluster import Cluster
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,11 @@ class Runtime:
         shared = config.redis_url is not None
         self.auth = Authenticator(config.api_keys, config.tenants, config.default_limits,
                                   waiting=shared and config.api_keys is None)
-        self.cluster = Cluster(self, config.redis_url) if config.redis_url else None
+        self.cluster: Cluster | None = None
+        if config.redis_url:
+            from gateway.cluster import Cluster  # imports redis, needed only with --redis-url
+
+            self.cluster = Cluster(self, config.redis_url)
         self.limiter: TenantLimiter | SharedLimiter = (
             self.cluster.limiter if self.cluster else TenantLimiter(self.auth.limits_for))
         self.shared_adapters: SharedAdapters | None = (

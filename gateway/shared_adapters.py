@@ -21,15 +21,19 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from gateway.errors import APIError, bad_request
 from lora.shared_store import SharedAdapterStore
 
 log = logging.getLogger(__name__)
 
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+def _redis_down() -> tuple[type[Exception], ...]:
+    """Redis' "unreachable" errors, imported only once a replica uses Redis (the package is
+    optional without `--redis-url`); an `except` clause evaluates this only on an error."""
+    from redis.exceptions import ConnectionError, TimeoutError
+
+    return ConnectionError, TimeoutError
 
 
 class SharedAdapters:
@@ -65,7 +69,7 @@ class SharedAdapters:
         unknown model names creates no locks)."""
         try:
             meta = await self.store.get(tenant, name)
-        except _REDIS_DOWN as e:
+        except _redis_down() as e:
             log.warning("adapter registry unreachable (%s); using local adapters", e)
             return True
         here = self.manager().get(tenant, name) is not None
@@ -155,6 +159,6 @@ async def unavailable() -> AsyncIterator[None]:
     """Redis unreachable -> 503 with Retry-After."""
     try:
         yield
-    except _REDIS_DOWN as e:
+    except _redis_down() as e:
         raise APIError(503, f"The adapter registry is unavailable: {e}", "server_error",
                        code="adapter_store_unavailable", headers={"Retry-After": "1"}) from e

@@ -16,7 +16,7 @@ DEST=.whl
 PACKAGES=(
   xgrammar apache-tvm-ffi outlines-core llguidance
   jsonschema jsonschema-specifications referencing rpds-py
-  gguf
+  gguf redis
   fastapi starlette opentelemetry-api uvicorn python-multipart pydantic pydantic-core annotated-types
   typing-inspection typing-extensions
 )

@@ -141,7 +141,8 @@ def test_upload_list_and_chat(server: Server, bot: str) -> None:
     base = first_logprob(c, BASE)
     tuned = first_logprob(c, bot)
     assert tuned != base  # the adapter is really applied
-    assert first_logprob(c, f"{BASE}:{bot}") == tuned
+    # The second call may start from the first one's cached prefix: other shapes, other bits.
+    assert first_logprob(c, f"{BASE}:{bot}") == pytest.approx(tuned, abs=1e-3)
     stream = c.chat.completions.create(model=bot, messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=4, stream=True)
     assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) >= 1

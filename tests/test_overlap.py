@@ -9,6 +9,7 @@ import json
 from contextlib import contextmanager
 
 import jsonschema
+import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -38,9 +39,15 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
             for k in torch.randint(3, 40, (n,), generator=g)]
 
 
-def _result(out) -> tuple:
-    lps = [(lp.token_id, round(lp.logprob, 4)) for lp in out.logprobs or []]
-    return out.token_ids, out.text, out.finish_reason, lps
+def _assert_same(got, want) -> None:
+    """Same tokens, text and finish reason; logprobs within a tolerance: the two schedules run
+    different batch shapes, whose float results differ in the last bits from CPU to CPU."""
+    assert (got.token_ids, got.text, got.finish_reason) == (
+        want.token_ids, want.text, want.finish_reason)
+    got_lps, want_lps = got.logprobs or [], want.logprobs or []
+    assert [lp.token_id for lp in got_lps] == [lp.token_id for lp in want_lps]
+    assert [lp.logprob for lp in got_lps] == pytest.approx(
+        [lp.logprob for lp in want_lps], abs=1e-3)
 
 
 def test_overlap_matches_sync(smollm2):
@@ -66,7 +73,8 @@ def test_overlap_matches_sync(smollm2):
     with overlapped(smollm2) as ahead:
         over = smollm2.generate(prompts, params)
     assert sum(ahead) >= 10  # the decode steps did run ahead
-    assert [_result(o) for o in over] == [_result(o) for o in sync]
+    for got, want in zip(over, sync, strict=True):
+        _assert_same(got, want)
 
 
 def test_overlap_admits_aborts_and_frees_pages(smollm2):
@@ -112,8 +120,9 @@ def test_overlap_constrained_outputs_validate(smollm2):
     with overlapped(smollm2) as ahead:
         outs = smollm2.generate(_prompts(9, seed=0), params)
     assert sum(ahead) >= 20
-    # SmolLM2-135M often wanders into the whitespace JSON allows and runs out of tokens.
-    assert {o.finish_reason for o in outs[:8]} == {"stop", "length"}
+    # SmolLM2-135M may run out of tokens inside a string; most outputs complete.
+    reasons = [o.finish_reason for o in outs[:8]]
+    assert set(reasons) <= {"stop", "length"} and reasons.count("stop") >= 4
     for out in outs[:8]:
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)
