@@ -183,7 +183,7 @@ def decode_round(
         eng.step()  # admission, adapter loads, prefill: not timed
     for _ in range(warm_steps):
         eng.step()
-    torch.cuda.synchronize()
+    _sync()
     context = running = tokens = chunks = 0
     t = time.perf_counter()
     for _ in range(steps):
@@ -191,11 +191,16 @@ def decode_round(
         running += len(eng.scheduler.running)
         chunks += any(r.num_tokens - r.num_computed_tokens > 1 for r in eng.scheduler.running)
         tokens += sum(len(o.new_token_ids) for o in eng.step())
-    torch.cuda.synchronize()
+    _sync()
     dt = time.perf_counter() - t
     for rid in rids:
         eng.abort_request(rid)
     return Round(dt, steps, tokens, context / max(running, 1), running / steps, chunks)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def profile(fn: Callable[[], Any], top: int = 6) -> dict[str, Any]:

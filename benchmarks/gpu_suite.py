@@ -12,7 +12,12 @@ one is recorded in the JSON and the rest still run):
   3. benchmarks/gpu_baselines.py: against transformers `generate` (static batches of 64) and
      peft's mixed-adapter batch, on the same weights;
   4. `switchboard serve` on the device, once: it must start from the installed wheels and
-     answer a chat completion (a smoke test; its failure is recorded, not fatal).
+     answer a chat completion (a smoke test; its failure is recorded, not fatal);
+  5. benchmarks/gpu_e2e.py: what users send (sampled vs greedy on a mixed workload, long
+     contexts, prefill MFU, the HTTP server with 128 streaming clients, a multi-turn agent
+     trace with tools, schemas and adapters).
+`--parts` runs some of the steps (e.g. `--parts e2e`, to fit one device call); their figures
+then update those already in --out.
 The default full run fits 9 minutes on one H100 (budgets below add up to under 8 minutes plus
 process start-ups); --quick is a short smoke run (the 1B preset, smaller grids).
 Writes --out (JSON) and the same stem with .md (the table).
@@ -38,13 +43,19 @@ ROOT = HERE.parent
 TARGETS = {"lora_vs_base_b64": 0.90, "lora64_roofline_fraction_b64": 0.75,
            "roofline_fraction_b64": 0.80, "vs_transformers": 8, "lora_vs_peft_b64": 30,
            "constrained_vs_unconstrained_b64": 0.97, "lora_kernel_bw_fraction": 0.70,
-           "session_ttft_speedup_4k": 10}
+           "session_ttft_speedup_4k": 10, "sampled_vs_greedy_e2e": 0.95,
+           "long_ctx_roofline_16x8k": 0.85, "long_ctx_roofline_64x4k": 0.85,
+           "http_vs_offline_c128": 0.90, "prefill_mfu": 0.75}
 SOURCE = {"lora_vs_base_b64": "decode", "lora64_roofline_fraction_b64": "decode",
           "roofline_fraction_b64": "decode", "vs_transformers": "vs_transformers",
           "lora_vs_peft_b64": "vs_peft", "constrained_vs_unconstrained_b64": "constrained",
-          "lora_kernel_bw_fraction": "lora_kernel", "session_ttft_speedup_4k": "session"}
-FULL = {"tests": 80, "engine": 220, "baselines": 170, "serve": 90}
-QUICK = {"tests": 45, "engine": 75, "baselines": 50, "serve": 90}
+          "lora_kernel_bw_fraction": "lora_kernel", "session_ttft_speedup_4k": "session",
+          "sampled_vs_greedy_e2e": "sampled", "long_ctx_roofline_16x8k": "long_ctx",
+          "long_ctx_roofline_64x4k": "long_ctx", "http_vs_offline_c128": "http",
+          "prefill_mfu": "prefill"}
+FULL = {"tests": 80, "engine": 220, "baselines": 170, "serve": 90, "e2e": 420}
+QUICK = {"tests": 45, "engine": 75, "baselines": 50, "serve": 90, "e2e": 150}
+PARTS = ("tests", "engine", "baselines", "serve", "e2e")
 
 
 def main() -> None:
@@ -54,7 +65,11 @@ def main() -> None:
                     "(synthetic:llama3-1b with --quick)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "h100.json")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {PARTS}")
     args = ap.parse_args()
+    run = set(args.parts.split(","))
+    if args.skip_tests:
+        run.discard("tests")
     model = args.model or ("synthetic:llama3-1b" if args.quick else "synthetic:llama3-8b")
     budget = QUICK if args.quick else FULL
     start = time.monotonic()
@@ -62,23 +77,26 @@ def main() -> None:
     parts = work / "sections.jsonl"
     parts.touch()
 
-    tests = {"status": "skipped"} if args.skip_tests else gpu_tests(budget["tests"])
+    tests = gpu_tests(budget["tests"]) if "tests" in run else {"status": "skipped"}
     adapters = work / "adapters"
     common = ["--model", model, "--out", str(parts), "--adapter-dir", str(adapters)]
     engine_args = ["--batches", "1", "16", "64", "--big", "0", "--steps", "8"] if args.quick else []
     base_args = ["--requests", "32", "--max-prompt", "512", "--max-output", "64",
                  "--peft-steps", "8"] if args.quick else []
-    workers = {
-        "engine": worker("gpu_engine.py", common + engine_args, budget["engine"]),
-        "baselines": worker("gpu_baselines.py", common + base_args, budget["baselines"]),
-    }
-    serve = serve_smoke(model, budget["serve"])
+    e2e_args = ["--quick"] if args.quick else []
+    scripts = {"engine": ("gpu_engine.py", engine_args), "baselines": ("gpu_baselines.py",
+               base_args), "e2e": ("gpu_e2e.py", e2e_args)}
+    workers = {name: worker(script, common + extra, budget[name])
+               for name, (script, extra) in scripts.items() if name in run}
+    serve = serve_smoke(model, budget["serve"]) if "serve" in run else {"status": "skipped"}
     sections = {}
     for line in parts.read_text().splitlines():
         d = json.loads(line)
         sections[d.pop("section")] = d
     results = collect(model, sections, tests, workers, time.monotonic() - start, args.quick)
     results["serve_smoke"] = serve
+    if run != set(PARTS) and args.out.is_file():
+        results = merge(json.loads(args.out.read_text()), results, run)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     table = render(results)
@@ -193,12 +211,33 @@ def collect(model, sections, tests, workers, seconds, quick) -> dict:
     res["decode_tok_s"] = decode
     for key, sec in SOURCE.items():
         res[key] = sections.get(sec, {}).get("result", {}).get(key)
+    res["agent_trace"] = sections.get("agent_trace", {}).get("result", {}).get("agent_trace")
     res["targets"] = TARGETS
     res["gpu_tests"] = tests
     res["workers"] = workers
     res["sections"] = sections
     res["suite_seconds"] = round(seconds, 1)
     return res
+
+
+def merge(old: dict, new: dict, run: set[str]) -> dict:
+    """`new` (some parts) over `old` (an earlier run): figures and sections this run measured
+    replace the earlier ones; the header says which parts ran when."""
+    merged = {**old, "sections": {**old.get("sections", {}), **new["sections"]},
+              "workers": {**old.get("workers", {}), **new["workers"]}}
+    for key in TARGETS:
+        if new.get(key) is not None:
+            merged[key] = new[key]
+    for key in ("decode_tok_s", "agent_trace"):
+        if new.get(key):
+            merged[key] = new[key]
+    for key in ("gpu_tests", "serve_smoke"):
+        if new[key].get("status") != "skipped":
+            merged[key] = new[key]
+    merged["targets"] = TARGETS
+    merged.setdefault("runs", [{"date": old.get("date"), "parts": list(PARTS)}])
+    merged["runs"].append({"date": new["date"], "parts": sorted(run)})
+    return merged
 
 
 def render(r: dict) -> str:
@@ -218,6 +257,22 @@ def render(r: dict) -> str:
         shown = "n/a" if value is None else value
         met = "" if value is None else (" (met)" if value >= target else " (missed)")
         lines.append(f"| {key} | {shown} | >= {target}{met} | {note[:120]} |")
+    trace = r.get("agent_trace")
+    if trace:
+        lines.append(f"| agent_trace output tok/s | {trace['output_tok_s']} | | {trace['turns']} "
+                     f"turns, {trace['errors']} errors, TTFT p50/p99 {trace['ttft_p50_s']}/"
+                     f"{trace['ttft_p99_s']} s, TPOT p50/p99 {trace['tpot_p50_s']}/"
+                     f"{trace['tpot_p99_s']} s, prefix hits {trace['prefix_hit_rate']} |")
+    http = r["sections"].get("http", {}).get("result", {})
+    if http:
+        lines.append(f"| HTTP c128 tok/s | {http.get('tok_s')} | | TTFT p50/p99 "
+                     f"{http.get('ttft_p50_s')}/{http.get('ttft_p99_s')} s, "
+                     f"{http.get('errors')} errors |")
+    samp = r["sections"].get("sampled", {}).get("result", {})
+    if samp:
+        lines.append(f"| decode ms/step batch 64, 1k ctx | greedy {samp.get('step_ms_b64_greedy')}"
+                     f" / T=0.8 {samp.get('step_ms_b64_temperature')} / T+top_p+top_k+seed "
+                     f"{samp.get('step_ms_b64_sampled')} | | |")
     for kind, row in r["decode_tok_s"].items():
         for b, v in sorted(row.items(), key=lambda kv: int(kv[0])):
             detail = r["sections"].get("decode", {}).get("result", {}).get("detail", {})

@@ -1,0 +1,377 @@
+"""The GPU suite's end-to-end worker: what users send, not one timed decode round.
+
+Sections (each records its figures, or its error, as one JSON line in --out):
+  setup            load the model, measure copy bandwidth and the bf16 matmul rate;
+  sampled          a mixed offline workload (prompts 64-1024 tokens, outputs 64-256, all
+                   submitted at once), greedy vs sampled (T=0.8, top_p 0.9, top_k 50, a seed
+                   per request): output tokens/s and `sampled_vs_greedy_e2e`; plus one timed
+                   decode round at batch 64, 1k contexts, per sampling mode (ms per step);
+  long_ctx         decode steps over 16 x 7.9k and 64 x 4k contexts: (weight + KV bytes) ÷
+                   copy bandwidth ÷ step time (`long_ctx_roofline_16x8k`, `..._64x4k`);
+  prefill          64 x 2,048-token prompts: prompt tokens/s x model FLOPs ÷ the matmul rate
+                   (`prefill_mfu`);
+  http             the greedy mixed workload through `switchboard serve` with 128 concurrent
+                   streaming clients on /v1/completions ÷ the offline engine on the same
+                   workload (`http_vs_offline_c128`), TTFT p50/p99;
+  agent_trace      32 concurrent multi-turn sessions through HTTP: each turn appends a tool
+                   result and asks again (contexts grow toward 8k tokens), sampled, tool calls
+                   and JSON schemas on some turns, 8 adapters.
+
+Run by benchmarks/gpu_suite.py; `--device cpu --quick` runs every section small on a CPU
+(a check of the script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from gpu_common import (
+    Recorder,
+    copy_bandwidth,
+    decode_round,
+    greedy,
+    kv_bytes_per_token,
+    random_prompts,
+    weight_bytes,
+    write_adapter,
+)
+
+from engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK = 16
+TOOLS = [{"type": "function", "function": {"name": "search_logs", "parameters": {
+    "type": "object", "properties": {"service": {"type": "string", "maxLength": 16},
+                                     "minutes": {"type": "integer"}},
+    "required": ["service", "minutes"], "additionalProperties": False}}}]
+SCHEMA = {"type": "object", "properties": {"cause": {"type": "string", "maxLength": 40},
+                                           "severity": {"type": "integer"}},
+          "required": ["cause", "severity"], "additionalProperties": False}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def sampled(i: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, top_k=50, seed=i,
+                          ignore_eos=True)
+
+
+def temp_only(i: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.8, ignore_eos=True)
+
+
+def mixed_workload(n: int, vocab: int, scale: float = 1.0) -> tuple[list[list[int]], list[int]]:
+    """`n` prompts of 64-1024 random tokens and output lengths of 64-256 (seeded)."""
+    rng = random.Random(7)
+    lengths = [max(8, int(rng.randint(64, 1024) * scale)) for _ in range(n)]
+    outputs = [max(4, int(rng.randint(64, 256) * scale)) for _ in range(n)]
+    return random_prompts(n, lengths, seed=7, vocab=vocab), outputs
+
+
+def offline_tok_s(llm: LLM, prompts, outputs, make, device: str) -> float:
+    params = [make(i, m) for i, m in enumerate(outputs)]
+    sync(device)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(device)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def matmul_rate(device: str, n: int = 8192) -> float:
+    """bf16 matmul FLOP/s (median of 10 products of n x n)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n = n if device == "cuda" else 512
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def model_flops_per_token(cfg, context: int) -> float:
+    """Forward FLOPs of one prompt token at `context` tokens of causal attention (on average
+    half of a prompt of that length): 2 x the matrix parameters (the lm_head is computed for the
+    last token only, so left out) plus QK^T and PV."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    matrices = layers * (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size)
+    attention = layers * 2 * 2 * q * context / 2
+    return 2 * matrices + attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="synthetic:llama3-8b")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget", type=float, default=240.0)
+    ap.add_argument("--adapter-dir", type=Path, required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a check of the script)")
+    args = ap.parse_args()
+    rec, dev, quick = Recorder(args.out, args.budget), args.device, args.quick
+    n_requests, scale = (32, 0.125) if quick else (256, 1.0)
+    long_ctx = [(4, 448), (8, 192)] if quick else [(16, 7936), (64, 4032)]
+    prefill_n, prefill_len = (8, 128) if quick else (64, 2048)
+    seqs, pages = (16, 1200) if quick else (128, 18000)
+    dtype = "bfloat16" if dev == "cuda" else "float32"
+    flags = {"max_num_seqs": seqs, "max_num_batched_tokens": 1024 if quick else 8192,
+             "num_pages": pages}
+
+    with rec.section("setup", 90) as s:
+        t = time.monotonic()
+        llm = LLM(args.model, dtype=dtype, device=dev, **flags)
+        cfg = llm.engine.model_config
+        bw = copy_bandwidth() if dev == "cuda" else 1e10
+        s.result.update(load_s=round(time.monotonic() - t, 1), copy_bw=bw,
+                        matmul_flops=matmul_rate(dev), weight_bytes=weight_bytes(llm.engine.model),
+                        kv_bytes_per_token=kv_bytes_per_token(cfg, 2 if dev == "cuda" else 4))
+        setup = s.result
+    vocab = cfg.vocab_size
+    prompts, outputs = mixed_workload(n_requests, vocab, scale)
+
+    offline: dict[str, float] = {}
+    with rec.section("sampled", 120) as s:
+        offline_tok_s(llm, prompts[:16], [8] * 16, sampled, dev)  # warm-up: graphs, kernels
+        g = offline["greedy"] = offline_tok_s(llm, prompts, outputs, lambda i, m: greedy(m), dev)
+        x = offline_tok_s(llm, prompts, outputs, sampled, dev)
+        s.result.update(greedy_tok_s=round(g), sampled_tok_s=round(x),
+                        sampled_vs_greedy_e2e=round(x / g, 3))
+        batch = random_prompts(64 if not quick else 8, 1024 if not quick else 64, 3, vocab)
+        for name, make in (("greedy", lambda i, m: greedy(m)), ("temperature", temp_only),
+                           ("sampled", sampled)):
+            r = decode_round(llm, batch, make, steps=16 if not quick else 4)
+            s.result[f"step_ms_b64_{name}"] = round(r.step_s * 1e3, 2)
+
+    with rec.section("long_ctx", 90) as s:
+        for n, length in long_ctx:
+            r = decode_round(llm, random_prompts(n, length, 11, vocab),
+                             lambda i, m: greedy(m), steps=16 if not quick else 4)
+            moved = setup["weight_bytes"] + setup["kv_bytes_per_token"] * r.mean_context * n
+            key = f"long_ctx_roofline_{n}x{round(length / 1000)}k"
+            s.result[key] = round(moved / bw / r.step_s, 3)
+            s.result[key.replace("roofline", "step_ms")] = round(r.step_s * 1e3, 2)
+
+    with rec.section("prefill", 60) as s:
+        batch = random_prompts(prefill_n, prefill_len, 5, vocab)
+        llm.generate(batch[:4], [greedy(1)] * 4)  # warm-up
+        llm.engine.reset_prefix_cache()
+        sync(dev)
+        t = time.perf_counter()
+        llm.generate(batch, [greedy(1)] * prefill_n)
+        sync(dev)
+        tok_s = prefill_n * prefill_len / (time.perf_counter() - t)
+        flops = model_flops_per_token(cfg, prefill_len)
+        s.result.update(prompt_tok_s=round(tok_s),
+                        prefill_mfu=round(tok_s * flops / setup["matmul_flops"], 3))
+
+    adapters = []
+    for k in range(8):
+        folder = args.adapter_dir / f"e2e{k}"
+        write_adapter(folder, cfg, RANK, seed=50 + k, device=dev)
+        adapters.append(folder)
+    del llm
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+    serve_flags = ["--model", args.model, "--device", dev, "--dtype", dtype,
+                   "--max-num-seqs", str(seqs), "--max-num-batched-tokens",
+                   str(flags["max_num_batched_tokens"]), "--kv-pages", str(pages),
+                   "--max-loras", "8", "--max-cpu-loras", "8", "--max-lora-rank", str(RANK),
+                   "--adapter-dir", str(args.adapter_dir / "store"), "--max-queue", "4096",
+                   "--session-kv-pages", str(pages // 2)]
+    with Server(serve_flags) as srv:
+        with rec.section("http", 90) as s:
+            asyncio.run(http_workload(srv.url, prompts[:16], [4] * 16, 16))  # warm-up
+            res = asyncio.run(http_workload(srv.url, prompts, outputs, 128))
+            s.result.update(res)
+            if "greedy" in offline:
+                s.result["http_vs_offline_c128"] = round(res["tok_s"] / offline["greedy"], 3)
+        with rec.section("agent_trace", 120) as s:
+            names = [srv.upload(f"tenant-bot-{k}", f) for k, f in enumerate(adapters)]
+            turns, max_ctx = (3, 1024) if quick else (64, 8192)
+            s.result.update(asyncio.run(agent_trace(srv.url, names, 8 if quick else 32, turns,
+                                                    max_ctx, s.left)))
+
+
+class Server:
+    """`switchboard serve` in a subprocess on a free port."""
+
+    def __init__(self, flags: list[str]):
+        self.flags = flags
+
+    def __enter__(self) -> Server:
+        self.log = Path(tempfile.mkstemp(suffix=".log")[1])
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--log-level",
+                 "warning", *self.flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
+        deadline = time.monotonic() + 180
+        while not (m := re.search(r"serving \S+ at (http://\S+)", self.log.read_text())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        self.url = m.group(1)
+        self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def upload(self, name: str, folder: Path) -> str:
+        files = [("files", (p.name, p.read_bytes())) for p in sorted(folder.iterdir())]
+        r = httpx.post(self.url + "/v1/adapters", data={"name": name}, files=files, timeout=120)
+        r.raise_for_status()
+        return name
+
+
+async def stream(client: httpx.AsyncClient, path: str, body: dict) -> dict:
+    """One streamed request: TTFT, per-token time, tokens, usage, the text, or the error."""
+    t = time.perf_counter()
+    first = last = None
+    chunks, text, usage, error = 0, "", None, None
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if "error" in d:
+                error = d["error"].get("message")
+            for c in d.get("choices", []):
+                piece = c.get("text") or (c.get("delta") or {}).get("content") or ""
+                calls = (c.get("delta") or {}).get("tool_calls")
+                if piece or calls:
+                    now = time.perf_counter()
+                    first = first or now
+                    last, chunks = now, chunks + 1
+                    text += piece
+            usage = d.get("usage") or usage
+    done = time.perf_counter()
+    n = (usage or {}).get("completion_tokens", 0)
+    return {"ttft": (first or done) - t, "tpot": ((last or done) - (first or done)) / max(n - 1, 1),
+            "tokens": n, "usage": usage or {}, "text": text, "error": error}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else float("nan")
+
+
+async def http_workload(url: str, prompts, outputs, concurrency: int) -> dict:
+    """Every request of the workload through /v1/completions, `concurrency` at a time."""
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def one(p, m):
+            async with gate:
+                return await stream(client, "/v1/completions", {
+                    "model": model, "prompt": p, "max_tokens": m, "temperature": 0,
+                    "ignore_eos": True})
+        t = time.perf_counter()
+        res = await asyncio.gather(*(one(p, m) for p, m in zip(prompts, outputs, strict=True)))
+        wall = time.perf_counter() - t
+    ok = [r for r in res if not r.get("error")]
+    return {"tok_s": round(sum(r["tokens"] for r in ok) / wall), "requests": len(res),
+            "errors": len(res) - len(ok), "ttft_p50_s": pct([r["ttft"] for r in ok], 0.5),
+            "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99)}
+
+
+def tool_result(rng: random.Random, lines: int) -> str:
+    services = ["api", "auth", "billing", "search", "queue", "cache", "mailer"]
+    out = ["Tool result (search_logs):"]
+    for _ in range(lines):
+        out.append(f"12:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d} "
+                   f"{rng.choice(services)} status={rng.choice([200, 200, 500, 503])} "
+                   f"ms={rng.randint(5, 900)} trace={rng.getrandbits(32):08x}")
+    return "\n".join(out)
+
+
+async def agent_trace(url: str, adapters: list[str], sessions: int, turns: int, max_ctx: int,
+                      left) -> dict:  # noqa: ANN001 - a Section's time-left callable
+    """`sessions` agents, each on a session: every turn appends a tool result (~450 tokens)
+    and asks again until its context reaches `max_ctx` tokens or the time runs out. Half the
+    agents offer a tool on every turn (tool_choice auto); every fourth turn asks for a JSON
+    schema; three agents in four run on one of the adapters."""
+    base = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    records: list[dict] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=sessions + 8)) as client:
+        async def agent(k: int) -> None:
+            rng = random.Random(k)
+            model = adapters[k % len(adapters)] if k % 4 else base
+            r = await client.post("/v1/sessions", json={"model": model, "messages": [
+                {"role": "system", "content": "You are an on-call agent. Read each tool "
+                 "result and say what to check next."}]})
+            r.raise_for_status()
+            sid = r.json()["id"]
+            for turn in range(turns):
+                if left() < 5:
+                    break
+                body = {"model": model, "session_id": sid, "max_tokens": 48,
+                        "temperature": 0.8, "top_p": 0.95, "seed": k * 1000 + turn,
+                        "messages": [{"role": "user", "content": tool_result(rng, 14)}]}
+                if k % 2:  # an agent offers its tools on every turn, as frameworks do
+                    body |= {"tools": TOOLS, "tool_choice": "auto"}
+                if turn % 4 == 3:
+                    body["response_format"] = {"type": "json_schema", "json_schema": {
+                        "name": "triage", "schema": SCHEMA}}
+                rec = await stream(client, "/v1/chat/completions", body)
+                records.append(rec)
+                if rec.get("error") or rec["usage"].get("prompt_tokens", 0) + 500 > max_ctx:
+                    break
+            await client.delete(f"/v1/sessions/{sid}")
+
+        t = time.perf_counter()
+        await asyncio.gather(*(agent(k) for k in range(sessions)))
+        wall = time.perf_counter() - t
+    ok = [r for r in records if not r.get("error")]
+    prompt = sum(r["usage"].get("prompt_tokens", 0) for r in ok)
+    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                 for r in ok)
+    return {"agent_trace": {
+        "turns": len(records), "errors": len(records) - len(ok),
+        "output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1),
+        "ttft_p50_s": pct([r["ttft"] for r in ok], 0.5),
+        "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99),
+        "tpot_p50_s": pct([r["tpot"] for r in ok], 0.5),
+        "tpot_p99_s": pct([r["tpot"] for r in ok], 0.99),
+        "prefix_hit_rate": round(cached / max(prompt, 1), 3),
+        "max_prompt_tokens": max((r["usage"].get("prompt_tokens", 0) for r in ok), default=0),
+        "first_errors": [r["error"] for r in records if r.get("error")][:3]}}
+
+
+if __name__ == "__main__":
+    main()
