@@ -170,8 +170,10 @@ class LLMEngine:
             if self._ahead is not None:
                 return failed + self._step_ahead()
             batch = self.scheduler.schedule()
+            failed += [self._fail(req, why) for req, why in batch.failed]
             if not batch:
-                self._wait_for_background(0.05)
+                if not failed:
+                    self._wait_for_background(0.05)
                 return failed
             if self.overlap and all(s.num_new_tokens == 1 and s.samples for s in batch.seqs):
                 step = self.runner.launch(batch)

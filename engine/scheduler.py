@@ -9,6 +9,7 @@ is the same rule: admission starts `num_computed_tokens` at the cached prefix's 
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,6 +17,8 @@ from typing import Protocol
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,6 +38,8 @@ class ScheduledSeq:
 class Batch:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Waiting requests whose own admission check raised, with why: the engine fails them.
+    failed: list[tuple[Request, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -135,7 +140,7 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if not self.is_ready(req) or not self.adapters.can_admit(req):
+            if not self._startable(req, batch):
                 continue
             self.cache.attach(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -167,7 +172,24 @@ class Scheduler:
         """Could `schedule` start a waiting request now (a seat is free and one is ready)?"""
         if len(self.running) >= self.max_num_seqs:
             return False
-        return any(self.is_ready(req) for req in self.waiting)
+        for req in self.waiting:
+            try:
+                if self.is_ready(req):
+                    return True
+            except Exception:  # noqa: BLE001 - `schedule` fails that request alone
+                return True
+        return False
+
+    def _startable(self, req: Request, batch: Batch) -> bool:
+        """The per-request predicates: its grammar is ready, its adapter resident. They do that
+        request's own work (build its matcher, copy its adapter into a slot); one that raises
+        fails that request alone, through `batch.failed`."""
+        try:
+            return self.is_ready(req) and self.adapters.can_admit(req)
+        except Exception as e:
+            log.exception("request %s cannot start", req.request_id)
+            batch.failed.append((req, f"could not start: {type(e).__name__}: {e}"))
+            return False
 
     def update(self, batch: Batch, sampled: dict[Request, int]) -> None:
         """Advance every scheduled request still running; append the tokens sampled this step."""

@@ -2,10 +2,13 @@
 
 Upload is a multipart form: field `name` and the PEFT folder's files as repeated `files` parts
 (`curl -F name=support-bot -F files=@adapter_config.json -F files=@adapter_model.safetensors`).
-The body is streamed under `--max-adapter-bytes` (413 beyond), the parts written to a staging
-folder inside the store, and the folder validated by the engine's adapter manager off the
-event loop; only a valid adapter is moved into the store and registered. A bad one answers 400
-naming every problem and leaves nothing behind; the tenant's other adapters are untouched.
+The body is streamed under `--max-adapter-bytes` (413 beyond), checked against the tenant's
+quota (adapters and bytes stored; 403 beyond), the parts written to a staging folder inside
+the store, and the folder validated by the engine's adapter manager off the event loop; only a
+valid adapter is moved into the store and registered. A bad one answers 400 naming every
+problem and leaves nothing behind; the tenant's other adapters are untouched. A tenant's
+uploads run one at a time, so that concurrent ones cannot pass its quota together. The served
+model's name is reserved: as `model` it names the base model.
 
 The engine's manager is used through its thread-safe registry methods (`add`, `remove`, `get`,
 `list`); this module imports no torch. With `--redis-url`, the registry shared by all replicas
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,9 +32,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from gateway.errors import APIError, bad_request, too_large
+from gateway.errors import APIError, bad_request, clip, too_large
 from gateway.runtime import Runtime
-from gateway.shared_adapters import SharedAdapters, exists, invalid, staging_dir
+from gateway.shared_adapters import SharedAdapters, exists, invalid, over_quota, staging_dir
+from lora.quota import AdapterQuota, QuotaExceeded
+
+log = logging.getLogger(__name__)
 
 MAX_FILES = 16
 
@@ -37,6 +45,9 @@ MAX_FILES = 16
 def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
     router = APIRouter()
     base = rt.config.model_name
+    # One upload per tenant at a time on this replica: its quota check and its writes are one
+    # step (across replicas the shared registry checks again, atomically).
+    uploading: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     @router.post("/v1/adapters")
     async def upload(request: Request, tenant: str = Depends(authenticate)) -> dict[str, Any]:
@@ -44,30 +55,32 @@ def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
         name, files = await _read_form(request, rt.config.max_adapter_bytes)
         shared = rt.shared_adapters
         lock = shared.lock(tenant, name) if shared else contextlib.nullcontext()
-        async with lock:
-            if shared:
-                await shared.claim(tenant, name)
-            elif manager.get(tenant, name) is not None:
-                raise exists(name)
-            staging = staging_dir(manager)
-            try:
-                for filename, upload in files:
-                    with (staging / filename).open("wb") as out:
-                        await asyncio.to_thread(shutil.copyfileobj, upload.file, out)
-                blobs = {f: (staging / f).read_bytes() for f, _ in files} if shared else {}
-                info = await asyncio.to_thread(manager.add, tenant, name, staging, move=True)
-            except KeyError:  # AdapterExists: a concurrent upload of the same name won
-                raise exists(name) from None
-            except ValueError as e:  # AdapterError: everything wrong with the folder
-                raise invalid(name, e) from None
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-                for _, upload in files:
-                    await upload.close()
-            obj = adapter_object(info, base)
-            if shared and not await _publish(shared, manager, tenant, name, obj, blobs):
-                raise exists(name)  # another replica registered the name meanwhile
-        return obj
+        try:
+            if name == base:  # `model` would name the base model, never the adapter
+                raise bad_request(f"adapter name {name!r} is the served model's name; choose "
+                                  "another", "name")
+            quota = rt.config.adapter_quota(rt.auth.limits_for(tenant))  # shared with --redis-url
+            async with uploading[tenant], lock:
+                if shared:
+                    await shared.claim(tenant, name)
+                    count, used = await shared.usage(tenant)
+                elif manager.get(tenant, name) is not None:
+                    raise exists(name)
+                else:
+                    stored = manager.list(tenant)
+                    count, used = len(stored), sum(a.stored_bytes for a in stored)
+                quota.check(count, used, sum(upload.size or 0 for _, upload in files))
+                info, blobs = await _store(manager, tenant, name, files, keep=bool(shared))
+                obj = adapter_object(info, base)
+                # Another replica's upload may have taken the name or the quota meanwhile.
+                if shared and not await _publish(shared, manager, tenant, name, obj, blobs, quota):
+                    raise exists(name)
+            return obj
+        except QuotaExceeded as e:
+            raise over_quota(e) from None
+        finally:
+            for _, upload in files:
+                await upload.close()
 
     @router.get("/v1/adapters")
     async def list_adapters(tenant: str = Depends(authenticate)) -> dict[str, Any]:
@@ -103,6 +116,27 @@ def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
     return router
 
 
+async def _store(manager: Any, tenant: str, name: str, files: list[tuple[str, UploadFile]],
+                 keep: bool) -> tuple[Any, dict[str, bytes]]:
+    """Write the files to a staging folder and register it (validated, off the event loop).
+    Returns the adapter's info and, with `keep`, the files' bytes (for the shared registry).
+    A refused adapter leaves nothing behind."""
+    staging = staging_dir(manager)
+    try:
+        for filename, upload in files:
+            with (staging / filename).open("wb") as out:
+                await asyncio.to_thread(shutil.copyfileobj, upload.file, out)
+        blobs = {f: (staging / f).read_bytes() for f, _ in files} if keep else {}
+        info = await asyncio.to_thread(manager.add, tenant, name, staging, move=True)
+    except KeyError:  # AdapterExists: a concurrent upload of the same name won
+        raise exists(name) from None
+    except ValueError as e:  # AdapterError: everything wrong with the folder
+        raise invalid(name, e) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return info, blobs
+
+
 def require_manager(rt: Runtime) -> Any:
     rt.require_ready()
     manager = rt.engine.adapters
@@ -112,11 +146,11 @@ def require_manager(rt: Runtime) -> Any:
 
 
 async def _publish(shared: SharedAdapters, manager: Any, tenant: str, name: str,
-                   obj: dict[str, Any], blobs: dict[str, bytes]) -> bool:
+                   obj: dict[str, Any], blobs: dict[str, bytes], quota: AdapterQuota) -> bool:
     """Register a validated upload in the shared registry; on a refusal or a failure, drop the
     local copy (nothing half-registered)."""
     try:
-        published = await shared.publish(tenant, name, obj, blobs)
+        published = await shared.publish(tenant, name, obj, blobs, quota)
     except BaseException:
         await asyncio.to_thread(manager.remove, tenant, name)
         raise
@@ -141,9 +175,14 @@ async def model_cards(rt: Runtime, tenant: str) -> list[dict[str, Any]]:
         return []
     base = rt.config.model_name
     if rt.shared_adapters:
-        return [{"id": a["id"], "object": "model", "created": a["created"],
-                 "owned_by": a["owned_by"], "parent": base, "root": base}
-                for a in await rt.shared_adapters.list(tenant)]
+        try:
+            return [{"id": a["id"], "object": "model", "created": a["created"],
+                     "owned_by": a["owned_by"], "parent": base, "root": base}
+                    for a in await rt.shared_adapters.list(tenant)]
+        except APIError as e:
+            if e.status != 503:
+                raise
+            log.warning("adapter registry unreachable; /v1/models lists this replica's adapters")
     return [model_card(info, base) for info in manager.list(tenant)]
 
 
@@ -156,7 +195,8 @@ def adapter_object(info: Any, base: str) -> dict[str, Any]:
     return {
         "id": info.name, "object": "adapter", "created": info.created, "owned_by": info.tenant,
         "parent": base, "rank": info.rank, "target_modules": list(info.target_modules),
-        "bytes": info.num_bytes, "pinned": info.pinned, "tier": info.tier,
+        "bytes": info.num_bytes, "stored_bytes": info.stored_bytes, "pinned": info.pinned,
+        "tier": info.tier,
     }
 
 
@@ -209,7 +249,7 @@ def _plain_file_name(name: str) -> bool:
 
 
 def _unknown(name: str) -> APIError:
-    return APIError(404, f"The adapter '{name}' does not exist.", code="adapter_not_found")
+    return APIError(404, f"The adapter '{clip(name)}' does not exist.", code="adapter_not_found")
 
 
 class _AdapterCollector:

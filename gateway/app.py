@@ -1,12 +1,15 @@
 """The FastAPI app: OpenAI routes, health, readiness and metrics.
 
-One request, end to end: auth (tenant) -> body (size, JSON, schema) -> model -> extension
-points -> plan (prompt ids + SamplingParams per choice, validated by the engine) ->
-admission (queue bound, tenant limits) -> engine -> JSON body or SSE stream.
+One request, end to end: auth (tenant) -> body (size, JSON, schema) -> model -> counts
+(gateway/bounds.py) -> admission (queue bound, tenant limits) -> session -> plan, in a worker
+thread (bounds, constraint, template, prompt ids + SamplingParams per choice, validated by the
+engine) -> grammar compile -> engine -> JSON body or SSE stream. Nothing that grows with the
+request runs on the event loop, and none of it before the tenant is admitted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,24 +22,20 @@ from fastapi.responses import JSONResponse, Response
 from engine.async_engine import AsyncEngine
 from gateway.adapters import adapter_routes, ensure_adapter, model_card, model_cards
 from gateway.body import read_body
+from gateway.bounds import check_counts
 from gateway.config import ServeConfig
 from gateway.errors import APIError, bad_request, install_error_handlers
 from gateway.generation import Generation
-from gateway.limits import check_capacity
 from gateway.metrics import RequestCounter
 from gateway.openapi import document_bodies
-from gateway.params import (
-    plan_chat,
-    plan_completion,
-    resolve_adapter,
-    resolve_constraint,
-)
+from gateway.params import EngineFacts, Job, plan_chat, plan_completion, resolve_adapter
 from gateway.responses import ChatFormat, CompletionFormat
 from gateway.runtime import Runtime
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.session_routes import add_session_routes
-from gateway.sessions import CreateSession, ForkSession, resolve_session
+from gateway.sessions import CreateSession, ForkSession, SessionTurn, resolve_session
 from gateway.sse import SSEResponse, stream_events
+from gateway.tokenizer import GatewayTokenizer
 from grammar.spec import GrammarError
 
 
@@ -72,7 +71,11 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         rt.require_ready()
         return {"status": "ready", "model": config.model_name}
 
-    @app.get("/metrics")
+    def admin(authorization: str | None = Header(None)) -> None:
+        rt.auth.require_admin(authorization)
+
+    # Its labels name every tenant: with API keys, only admin keys read it.
+    @app.get("/metrics", dependencies=[] if config.public_metrics else [Depends(admin)])
     async def metrics() -> Response:
         body, content_type = rt.metrics.render()
         return Response(body, media_type=content_type)
@@ -115,29 +118,27 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
     ) -> Response:
         await ensure_adapter(rt, tenant, body.model)
         adapter = resolve_adapter(body.model, config.model_name, tenant, rt.engine.adapters)
-        resolve_constraint(body)  # a malformed constraint is a 400 even before the model is ready
-        turn = await resolve_session(body, tenant, rt.sessions)
+        check_counts(body)
         tok, facts = rt.require_ready()
-        if isinstance(body, ChatCompletionRequest):
-            jobs = plan_chat(turn.prompt_body(body) if turn else body, tok, facts, adapter)
-        else:
-            jobs = plan_completion(body, tok, facts, adapter)
-        # Admission comes before anything slow (a grammar compile): overload is a 429 at once.
-        check_capacity(rt.engine.num_outstanding, len(jobs), config.max_num_seqs, config.max_queue)
-        ticket = await rt.limiter.admit(tenant)
-        gen = Generation(
-            rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket, rt.metrics,
-            turn.session.id if turn else None,
-        )
-        # The jobs' constraint, in the call format of the model's chat template for tool calls.
-        constraint = jobs[0].params.constraint
-        try:
-            if constraint is not None:  # a schema no backend compiles is a 400 now, not later
-                await _compile(rt, constraint)
-            gen.submit()
-        except BaseException:  # also a client gone while the grammar compiled
-            gen.close()
-            raise
+        # Admission comes before anything slow (planning, a grammar compile): overload is a
+        # 429 at once, and a tenant over its limits costs no planning.
+        with rt.seats.reserve(_num_sequences(body)):
+            ticket = await rt.limiter.admit(tenant)
+            try:
+                turn = await resolve_session(body, tenant, rt.sessions)
+                jobs = await asyncio.to_thread(_plan, body, turn, tok, facts, adapter)
+                # The jobs' constraint, in the call format of the chat template for tools.
+                constraint = jobs[0].params.constraint
+                if constraint is not None:  # a schema no backend compiles is a 400 now
+                    await _compile(rt, constraint)
+                gen = Generation(
+                    rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket,
+                    rt.metrics, turn.session.id if turn else None,
+                )
+                gen.submit()
+            except BaseException:  # also a client gone while planning or compiling
+                ticket.release()
+                raise
         fmt: ChatFormat | CompletionFormat
         if isinstance(body, ChatCompletionRequest):
             fmt = ChatFormat(gen, config.model_name, tok, body.include_usage)
@@ -154,6 +155,23 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         return response
 
     return app
+
+
+def _plan(
+    body: ChatCompletionRequest | CompletionRequest,
+    turn: SessionTurn | None,
+    tok: GatewayTokenizer,
+    facts: EngineFacts,
+    adapter: str | None,
+) -> list[Job]:
+    """The request's engine jobs; in a worker thread (gateway/params.py checks the bounds)."""
+    if isinstance(body, CompletionRequest):
+        return plan_completion(body, tok, facts, adapter)
+    return plan_chat(turn.prompt_body(body) if turn else body, tok, facts, adapter)
+
+
+def _num_sequences(body: ChatCompletionRequest | CompletionRequest) -> int:
+    return body.n * (len(body.prompts) if isinstance(body, CompletionRequest) else 1)
 
 
 async def _compile(rt: Runtime, constraint: Any) -> None:

@@ -7,6 +7,10 @@ and Redis never stores a usable key. With `--redis-url` the table is shared (`Sh
 
     switchboard:auth:keys     hash sha256(key) -> tenant          (no TTL)
     switchboard:auth:tenants  hash tenant -> JSON `TenantLimits`  (no TTL)
+    switchboard:auth:admins   set sha256(key) of admin keys       (no TTL)
+
+Admin keys (`"admin": true` in the keys file) may read `/metrics`, whose labels name every
+tenant; with auth on, other keys get a 403 there (unless `--public-metrics`).
 
 A replica started with `--api-keys FILE` publishes that file there (replacing the table, in
 one transaction); every replica re-reads the table every `REFRESH_S`. A replica without
@@ -20,15 +24,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Collection
 from typing import Any
 
 from gateway.config import DEFAULT_TENANT, TenantLimits
-from gateway.errors import APIError, unauthorized
+from gateway.errors import APIError, forbidden, unauthorized
 
 log = logging.getLogger(__name__)
 
 KEYS = "switchboard:auth:keys"
 TENANTS = "switchboard:auth:tenants"
+ADMINS = "switchboard:auth:admins"
 REFRESH_S = 2.0
 
 
@@ -43,9 +49,11 @@ class Authenticator:
         tenants: dict[str, TenantLimits] | None = None,
         default_limits: TenantLimits | None = None,
         waiting: bool = False,
+        admin_keys: Collection[str] = (),
     ):
         """`waiting=True`: the table comes from Redis and has not been read yet (503s)."""
         self._tenants = None if api_keys is None else {digest(k): t for k, t in api_keys.items()}
+        self._admins = {digest(k) for k in admin_keys}
         self._limits = dict(tenants or {})
         self._default = default_limits or TenantLimits()
         self.waiting = waiting
@@ -61,27 +69,44 @@ class Authenticator:
                            "server_error", code="keys_unavailable", headers={"Retry-After": "2"})
         if self._tenants is None:
             return DEFAULT_TENANT
+        return self._tenants[self._known_key(authorization)]
+
+    def require_admin(self, authorization: str | None) -> None:
+        """Let an admin key through (anyone while auth is off); else 401 / 403 / 503."""
+        if self.waiting or self._tenants is None:
+            self.tenant_for(authorization)  # 503 while the table is unread; else auth is off
+            return
+        if self._known_key(authorization) not in self._admins:
+            raise forbidden("This route needs an admin API key (\"admin\": true in the keys "
+                            "file).")
+
+    def _known_key(self, authorization: str | None) -> str:
+        """The digest of the Bearer key, one of the table's; else a 401."""
+        assert self._tenants is not None
         scheme, _, key = (authorization or "").strip().partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
             raise unauthorized(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
             )
-        tenant = self._tenants.get(digest(key))
-        if tenant is None:
+        hashed = digest(key)
+        if hashed not in self._tenants:
             raise unauthorized(f"Incorrect API key provided: {_redact(key)}.")
-        return tenant
+        return hashed
 
     def limits_for(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant, self._default)
 
-    def replace(self, tenants: dict[str, str], limits: dict[str, TenantLimits]) -> None:
-        """Swap in a table read from Redis (`tenants`: digest -> tenant). An empty table
+    def replace(
+        self, tenants: dict[str, str], limits: dict[str, TenantLimits], admins: set[str]
+    ) -> None:
+        """Swap in a table read from Redis (`tenants`, `admins`: key digests). An empty table
         turns auth off only if it was never on."""
         self.waiting = False
         if tenants or self._tenants is None:
             self._tenants = tenants or None
             self._limits = limits
+            self._admins = admins
         else:
             log.warning("the API-key table in Redis is empty; keeping the last one read")
 
@@ -89,8 +114,9 @@ class Authenticator:
 class SharedKeys:
     """Keeps an `Authenticator` in step with the table in Redis."""
 
-    def __init__(self, redis: Any, auth: Authenticator, publish: tuple[dict, dict] | None):
-        """`publish`: (key -> tenant, tenant -> limits) to write first (`--api-keys`)."""
+    def __init__(self, redis: Any, auth: Authenticator, publish: tuple[dict, dict, Any] | None):
+        """`publish`: (key -> tenant, tenant -> limits, admin keys) to write first
+        (`--api-keys`)."""
         self.redis, self.auth, self.to_publish = redis, auth, publish
 
     async def run(self) -> None:
@@ -105,21 +131,26 @@ class SharedKeys:
                 log.warning("cannot read the API keys from Redis: %s", e)
             await asyncio.sleep(REFRESH_S)
 
-    async def publish(self, keys: dict[str, str], limits: dict[str, TenantLimits]) -> None:
+    async def publish(
+        self, keys: dict[str, str], limits: dict[str, TenantLimits], admins: Collection[str] = ()
+    ) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(KEYS, TENANTS)
+        pipe.delete(KEYS, TENANTS, ADMINS)
         pipe.hset(KEYS, mapping={digest(k): t for k, t in keys.items()})
         if limits:
             pipe.hset(TENANTS, mapping={t: lim.model_dump_json() for t, lim in limits.items()})
+        if admins:
+            pipe.sadd(ADMINS, *(digest(k) for k in admins))
         await pipe.execute()
 
     async def refresh(self) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hgetall(KEYS)
         pipe.hgetall(TENANTS)
-        tenants, limits = await pipe.execute()
+        pipe.smembers(ADMINS)
+        tenants, limits, admins = await pipe.execute()
         self.auth.replace(tenants, {t: TenantLimits.model_validate_json(v)
-                                    for t, v in limits.items()})
+                                    for t, v in limits.items()}, set(admins))
 
 
 def _redact(key: str) -> str:

@@ -1,21 +1,27 @@
 """JSON request bodies: read under a size cap, then parsed and validated strictly.
 
 Every JSON route reads its body here rather than through FastAPI's parameter, so all share
-one behaviour: 413 beyond the cap, without reading further; 400 for non-JSON, for strings
-that are not Unicode (lone surrogates, which nothing downstream could encode) and for schema
-violations, in OpenAI's error shape.
+one behaviour: 413 beyond the cap, without reading further; 400 for non-JSON (saying what is
+wrong: too deeply nested, strings that are not Unicode such as lone surrogates, which nothing
+downstream could encode, ...) and for schema violations, in OpenAI's error shape. The counts
+of gateway/bounds.py are checked on the parsed JSON, before validation (which costs ten times
+the parse: 0.6 s for 10^5 messages, holding the GIL); a large body is read in a worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypeVar
 
+import pydantic_core
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from gateway.errors import bad_request, from_validation, too_large
+from gateway.bounds import check_counts
+from gateway.errors import bad_request, from_validation, invalid_json, too_large
 
 Body = TypeVar("Body", bound=BaseModel)
+INLINE_BYTES = 64 * 1024  # smaller bodies are read in a few milliseconds at most: no thread
 
 
 async def read_body(
@@ -28,6 +34,16 @@ async def read_body(
         if default is not None:
             return default
         raise bad_request("The request body is empty; expected a JSON object.")
+    if len(raw) <= INLINE_BYTES:
+        return _parse(schema, raw)
+    return await asyncio.to_thread(_parse, schema, raw)
+
+
+def _parse(schema: type[Body], raw: bytes) -> Body:
+    try:
+        check_counts(pydantic_core.from_json(raw))
+    except ValueError as e:  # the same parser as pydantic's, with the same refusals
+        raise invalid_json(str(e)) from None
     try:
         return schema.model_validate_json(raw)
     except ValidationError as e:

@@ -39,6 +39,10 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-lora-rank", "R", int, "largest adapter rank served (the slot width)"),
     ("--adapter-dir", "DIR", str, "where uploaded adapters are stored (default: cache dir)"),
     ("--max-adapter-bytes", "N", int, "largest accepted adapter upload"),
+    ("--max-adapters-per-tenant", "N", int, "adapters a tenant may store (default 100; the "
+     "keys file's max_adapters overrides it per tenant)"),
+    ("--max-adapter-storage-per-tenant", "BYTES", int, "bytes of adapter files a tenant may "
+     "store (default 8 GiB; max_adapter_storage_bytes in the keys file overrides it)"),
     ("--redis-url", "URL", str, "shared state for replicas (sessions, keys, limits, adapters), "
      "e.g. redis://host:6379/0 (default: in-process)"),
     ("--advertise-url", "URL", str, "how routers reach this replica, e.g. http://10.0.0.7:8000 "
@@ -46,7 +50,8 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--session-kv-pages", "N", int, "KV pages a tenant's sessions keep pinned between turns"),
     ("--max-queue", "N", int, "sequences that may wait beyond a full batch before 429s"),
     ("--max-request-bytes", "N", int, "largest accepted request body"),
-    ("--default-max-tokens", "N", int, "cap on max_tokens when a request leaves it out"),
+    ("--default-max-tokens", "N", int, "max_tokens when a request leaves it out (default "
+     "4096, capped by what is left of the context)"),
     ("--drain-timeout", "SECONDS", float, "on SIGTERM, how long running requests may finish"),
     ("--log-level", "LEVEL", str, "critical | error | warning | info | debug"),
 ]
@@ -59,6 +64,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, metavar=metavar, type=type_, default=None, help=help_)
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                    help="never reuse cached KV across requests (sessions then re-prefill)")
+    p.add_argument("--public-metrics", dest="public_metrics", action="store_true", default=None,
+                   help="serve /metrics without a key (default with --api-keys: admin keys only)")
     p.set_defaults(func=serve)
 
 
@@ -66,6 +73,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
                  for flag, *_ in FLAGS}
     overrides["prefix_cache"] = getattr(args, "prefix_cache", None)
+    overrides["public_metrics"] = getattr(args, "public_metrics", None)
     return build_config(args.config, **overrides)
 
 

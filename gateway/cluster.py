@@ -38,7 +38,8 @@ class Cluster:
                                              socket_connect_timeout=2, socket_timeout=5)
         self.info = registry.ReplicaInfo(model=cfg.model_name)
         self.advertise_url = cfg.advertise_url
-        publish = (cfg.api_keys, cfg.tenants) if cfg.api_keys is not None else None
+        publish = ((cfg.api_keys, cfg.tenants, cfg.admin_keys) if cfg.api_keys is not None
+                   else None)
         self.keys = SharedKeys(self.redis, rt.auth, publish)
         self.limiter = SharedLimiter(self.redis, self.info.id, rt.auth.limits_for)
         self.adapter_store = SharedAdapterStore(url)

@@ -7,7 +7,12 @@ The API-keys file (`--api-keys FILE`) is a JSON object mapping each key to its t
 a name or an object with per-tenant limits:
 
     {"sk-alpha": "alpha",
-     "sk-beta": {"tenant": "beta", "max_concurrent_requests": 4, "tokens_per_minute": 20000}}
+     "sk-beta": {"tenant": "beta", "max_concurrent_requests": 4, "tokens_per_minute": 20000},
+     "sk-ops": {"tenant": "ops", "admin": true}}
+
+`"admin": true` marks a key that may read `/metrics` (see `public_metrics`). `max_adapters` and
+`max_adapter_storage_bytes` bound the LoRA adapters a tenant stores (default: the serve flags
+`--max-adapters-per-tenant`, `--max-adapter-storage-per-tenant`).
 
 Without it, auth is off and every request belongs to the tenant "default". In the TOML file,
 `api_keys` is that file's path (relative to the TOML file), and `[tenants.NAME]` tables or
@@ -24,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import EngineConfig, default_cache_dir
+from lora.quota import AdapterQuota
 
 # Same name as engine.loader.EMBEDDED_NAME; that module imports torch, this one must not.
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -39,6 +45,9 @@ class TenantLimits(BaseModel):
 
     max_concurrent_requests: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
+    # Stored LoRA adapters (None: --max-adapters-per-tenant / --max-adapter-storage-per-tenant).
+    max_adapters: int | None = Field(None, ge=0)
+    max_adapter_storage_bytes: int | None = Field(None, ge=0)
 
 
 class ServeConfig(BaseModel):
@@ -55,11 +64,14 @@ class ServeConfig(BaseModel):
     api_keys: dict[str, str] | None = None
     tenants: dict[str, TenantLimits] = Field(default_factory=dict)
     default_limits: TenantLimits = TenantLimits()
+    admin_keys: frozenset[str] = frozenset()  # keys marked "admin": they may read /metrics
+    public_metrics: bool = False  # /metrics without a key even with api_keys
 
     # Admission control and request limits.
     max_queue: int = Field(256, ge=0, description="sequences that may wait beyond a full batch")
     max_request_bytes: int = Field(4 * 2**20, ge=1024)
-    default_max_tokens: int | None = Field(None, ge=1, description="cap when max_tokens absent")
+    default_max_tokens: int | None = Field(
+        4096, ge=1, description="max_tokens when a request leaves it out (capped by the context)")
     drain_timeout: float = Field(30.0, ge=0, description="SIGTERM: seconds to finish requests")
 
     # Engine.
@@ -80,6 +92,10 @@ class ServeConfig(BaseModel):
     max_lora_rank: int = Field(16, ge=1, le=512)
     adapter_dir: str | None = None  # None: <cache dir>/adapters
     max_adapter_bytes: int = Field(256 * 2**20, ge=1024)
+    max_adapters_per_tenant: int = Field(100, ge=0, description="unless the tenant's own limits "
+                                         "say otherwise")
+    max_adapter_storage_per_tenant: int = Field(8 * 2**30, ge=0, description="bytes of stored "
+                                                "adapter files, unless the tenant's limits say")
 
     # Prefix cache and sessions.
     prefix_cache: bool = True
@@ -117,6 +133,14 @@ class ServeConfig(BaseModel):
     def limits_for(self, tenant: str) -> TenantLimits:
         return self.tenants.get(tenant, self.default_limits)
 
+    def adapter_quota(self, limits: TenantLimits) -> AdapterQuota:
+        """What a tenant with `limits` may store; the server-wide quota where they say nothing."""
+        return AdapterQuota(
+            self.max_adapters_per_tenant if limits.max_adapters is None else limits.max_adapters,
+            self.max_adapter_storage_per_tenant if limits.max_adapter_storage_bytes is None
+            else limits.max_adapter_storage_bytes,
+        )
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model,
@@ -149,8 +173,9 @@ def build_config(toml_path: str | Path | None = None, **overrides: Any) -> Serve
     values.update({k: v for k, v in overrides.items() if v is not None})
     keys_file = values.pop("api_keys", None)
     if keys_file is not None:
-        keys, limits = load_api_keys(Path(keys_file))
+        keys, limits, admins = load_api_keys(Path(keys_file))
         values["api_keys"] = keys
+        values["admin_keys"] = admins
         values["tenants"] = {**limits, **values.get("tenants", {})}
     try:
         return ServeConfig(**values)
@@ -158,8 +183,10 @@ def build_config(toml_path: str | Path | None = None, **overrides: Any) -> Serve
         raise ConfigError(_describe(e)) from None
 
 
-def load_api_keys(path: Path) -> tuple[dict[str, str], dict[str, TenantLimits]]:
-    """Read the API-keys JSON file: (key -> tenant, tenant -> limits)."""
+def load_api_keys(
+    path: Path,
+) -> tuple[dict[str, str], dict[str, TenantLimits], frozenset[str]]:
+    """Read the API-keys JSON file: (key -> tenant, tenant -> limits, admin keys)."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
@@ -170,6 +197,7 @@ def load_api_keys(path: Path) -> tuple[dict[str, str], dict[str, TenantLimits]]:
         raise ConfigError(f"the API-keys file {path} must hold a JSON object of key -> tenant")
     keys: dict[str, str] = {}
     limits: dict[str, TenantLimits] = {}
+    admins: set[str] = set()
     for key, entry in data.items():
         if isinstance(entry, str):
             keys[key] = entry
@@ -180,13 +208,20 @@ def load_api_keys(path: Path) -> tuple[dict[str, str], dict[str, TenantLimits]]:
             )
         entry = dict(entry)
         tenant = keys[key] = entry.pop("tenant")
+        admin = entry.pop("admin", False)
+        if not isinstance(admin, bool):
+            raise ConfigError(f"API key {key[:6]}...: 'admin' must be true or false")
+        if admin:
+            admins.add(key)
+            if not entry:  # an admin key alone sets no limits for its tenant
+                continue
         try:
             lim = TenantLimits(**entry)
         except ValidationError as e:
             raise ConfigError(f"tenant {tenant!r}: {_describe(e)}") from None
         if limits.setdefault(tenant, lim) != lim:
             raise ConfigError(f"tenant {tenant!r} has different limits on different keys")
-    return keys, limits
+    return keys, limits, frozenset(admins)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

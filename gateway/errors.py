@@ -1,7 +1,8 @@
 """OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, for every failure.
 
 Handlers cover our own `APIError`, pydantic / FastAPI validation (400, never FastAPI's 422
-body), Starlette's HTTP errors (unknown route, wrong method) and anything unexpected (500).
+body), Starlette's HTTP errors (unknown route, wrong method: each names the route and what
+to use instead) and anything unexpected (500).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger(__name__)
 
 INVALID = "invalid_request_error"
+MAX_JSON_DEPTH = 200  # pydantic's JSON parser refuses deeper nesting
 
 
 class APIError(Exception):
@@ -59,9 +61,13 @@ def unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+def forbidden(message: str) -> APIError:
+    return APIError(403, message, code="permission_denied")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(
-        404, f"The model '{model}' does not exist.", param="model", code="model_not_found"
+        404, f"The model '{clip(model)}' does not exist.", param="model", code="model_not_found"
     )
 
 
@@ -92,7 +98,7 @@ def from_validation(errors: Sequence[Any], drop_prefix: str | None = None) -> AP
     if err.get("type") == "missing":
         message = f"Missing required parameter: '{param}'."
     elif err.get("type") == "json_invalid":
-        return bad_request("The request body is not valid JSON.", code="invalid_json")
+        return invalid_json(str(err.get("msg", "")))
     elif err.get("type") == "extra_forbidden":
         message = f"Unrecognized request argument supplied: '{param}'."
     elif param:
@@ -100,6 +106,27 @@ def from_validation(errors: Sequence[Any], drop_prefix: str | None = None) -> AP
     else:
         message = f"Invalid request body: {msg}."
     return bad_request(message, param=param or None)
+
+
+def invalid_json(detail: str) -> APIError:
+    """A body the JSON parser refused, saying why (`detail`: pydantic's "Invalid JSON: ...")."""
+    detail = detail.removeprefix("Invalid JSON: ")
+    where = detail[detail.find(" at line "):] if " at line " in detail else ""
+    if detail.startswith("recursion limit exceeded"):
+        return bad_request(f"The request body nests JSON arrays and objects more than "
+                           f"{MAX_JSON_DEPTH} levels deep{where}.", code="json_too_deep")
+    if "surrogate" in detail:
+        return bad_request(
+            f"The request body is not valid JSON: a string holds an unpaired UTF-16 surrogate "
+            f"escape (\\ud800-\\udfff without its other half), which is not text{where}.",
+            code="invalid_json")
+    return bad_request(f"The request body is not valid JSON: {detail or 'cannot parse it'}.",
+                       code="invalid_json")
+
+
+def clip(value: str, limit: int = 64) -> str:
+    """`value` for an error message: a client's 1 MB string is not echoed back whole."""
+    return value if len(value) <= limit else value[:limit] + "…"
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
@@ -115,6 +142,24 @@ def _param_path(loc: list[Any]) -> str:
         elif part not in _TYPE_TAGS and "[" not in str(part) and "-" not in str(part):
             out += f".{part}" if out else str(part)
     return out
+
+
+def route_error(request: Request, status: int, headers: dict[str, str]) -> APIError:
+    """404 for a path no route serves, 405 for a method its route does not take; both name
+    the route and what to use instead, so that no client reads them as an unknown model."""
+    method, path = request.method, request.url.path
+    if status == 405:
+        allowed = headers.get("Allow", "another method")  # Starlette sets it
+        return APIError(405, f"{method} is not allowed on {path}; use {allowed}.",
+                        code="method_not_allowed", headers=headers)
+    paths = request.app.openapi()["paths"]  # built once, then cached by the app
+    hint = ""
+    if "/v1" + path in paths:
+        hint = f" Did you mean /v1{path}? The OpenAI base URL of this server ends in /v1."
+    served = ", ".join(f"{'/'.join(m.upper() for m in ops)} {p}"
+                       for p, ops in sorted(paths.items()) if p.startswith("/v1/"))
+    return APIError(404, f"Unknown route {method} {path}.{hint} This server serves {served}.",
+                    code="unknown_route")
 
 
 # -- handlers -------------------------------------------------------------------------------
@@ -134,10 +179,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return from_validation(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405):  # raised by routing: no route, or not this method
+            return route_error(request, exc.status_code, exc.headers or {}).response()
         type_ = INVALID if exc.status_code < 500 else "server_error"
-        body = error_body(str(exc.detail), type_, None, code)
+        body = error_body(str(exc.detail), type_)
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)

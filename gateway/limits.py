@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from gateway.config import TenantLimits
@@ -32,6 +33,27 @@ def check_capacity(outstanding: int, new: int, max_num_seqs: int, max_queue: int
                           f"{capacity}", "n")
     if outstanding + new > capacity:
         raise rate_limited("The server is at capacity; retry shortly.", 1.0, "queue_full")
+
+
+class Seats:
+    """The engine's batch plus queue, holding sequences from admission on: a request is
+    planned (in a worker thread) between its capacity check and its submission, so those in
+    planning count too, or requests admitted together would overfill the queue."""
+
+    def __init__(self, outstanding: Callable[[], int], max_num_seqs: int, max_queue: int):
+        self.outstanding, self.max_num_seqs, self.max_queue = outstanding, max_num_seqs, max_queue
+        self.planning = 0  # sequences admitted and not yet submitted to the engine
+
+    @contextmanager
+    def reserve(self, n: int) -> Iterator[None]:
+        """Hold `n` sequences until the block ends (by then submitted: the engine counts
+        them); a 429 (or a 400 when more than all) when they do not fit."""
+        check_capacity(self.outstanding() + self.planning, n, self.max_num_seqs, self.max_queue)
+        self.planning += n
+        try:
+            yield
+        finally:
+            self.planning -= n
 
 
 class Ticket(Protocol):

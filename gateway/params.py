@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from gateway.bounds import chat_chars, check_counts, check_prompt_chars, check_schemas
 from gateway.errors import bad_request, model_not_found
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import GatewayTokenizer
-from gateway.tools import render_messages, tools_constraint
+from gateway.tools import render_messages, resolve_tools, tools_constraint
 from grammar.spec import ConstraintSpec, GrammarError, parse_constraint
-from grammar.tool_parser import HERMES
+from grammar.tool_parser import HERMES, CallFormat
+from grammar.tools import ToolChoice
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,16 @@ def resolve_adapter(requested: str, served: str, tenant: str, adapters: Any = No
     raise model_not_found(requested)
 
 
-def resolve_constraint(body: ChatCompletionRequest | CompletionRequest) -> ConstraintSpec | None:
+def resolve_constraint(
+    body: ChatCompletionRequest | CompletionRequest,
+    fmt: CallFormat = HERMES,
+    tools: ToolChoice | None = None,
+) -> ConstraintSpec | None:
     """The structured-output constraint of the request (None: free text): the tool-call format
-    when tools are on (gateway/tools.py), else `response_format` / `structured_outputs`. A
-    malformed one is a 400 naming the problem."""
+    `fmt` when tools are on (gateway/tools.py; `tools`: already resolved), else
+    `response_format` / `structured_outputs`. A malformed one is a 400 naming the problem."""
     if isinstance(body, ChatCompletionRequest):
-        spec = tools_constraint(body)
+        spec = tools_constraint(body, fmt, tools)
         if spec is not None:
             return spec
     try:
@@ -90,28 +96,43 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 def plan_chat(
     body: ChatCompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
 ) -> list[Job]:
+    """The jobs of a chat request (its whole history for a session turn). Work here grows
+    with the request (schemas, template, tokens): the gateway calls it off the event loop,
+    and it checks the request's bounds (gateway/bounds.py) before that work."""
+    check_counts(body)
+    check_schemas(body)
+    check_prompt_chars(chat_chars(body), facts.max_model_len, "messages")
     fmt = tok.call_format
-    messages, tools = render_messages(body, native=fmt is not None)
+    tools = resolve_tools(body)  # once: checking the tools' schemas is the slow part
+    constraint = resolve_constraint(body, fmt or HERMES, tools)
+    messages, rendered_tools = render_messages(body, native=fmt is not None, choice=tools)
     try:
-        prompt = tok.chat_prompt(messages, tools)
+        prompt = tok.chat_prompt(messages, rendered_tools)
     except InvalidRequestError as e:
         raise bad_request(e.message, e.param) from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _jobs([prompt], body, logprobs, tok, facts, adapter, prompt_param="messages",
-                 constraint=tools_constraint(body, fmt or HERMES))
+                 constraint=constraint)
 
 
 def plan_completion(
     body: CompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
 ) -> list[Job]:
+    """The jobs of a text completion; like `plan_chat`, for a worker thread."""
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of not in (None, 1, body.n):
         raise bad_request("best_of other than n is not supported", "best_of")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", "echo")
+    check_schemas(body)
+    for p in body.prompts:
+        if isinstance(p, str):
+            check_prompt_chars(len(p), facts.max_model_len, "prompt")
+    constraint = resolve_constraint(body)
     prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
-    return _jobs(prompts, body, body.logprobs, tok, facts, adapter, prompt_param="prompt")
+    return _jobs(prompts, body, body.logprobs, tok, facts, adapter, prompt_param="prompt",
+                 constraint=constraint)
 
 
 def _jobs(
@@ -171,7 +192,7 @@ def _params(
         logit_bias=bias,
         response_format=body.response_format,
         structured_outputs=body.structured_outputs,
-        constraint=constraint,  # tool calls; else parsed from the two fields above
+        constraint=constraint,  # parsed once per request, not once per choice
         adapter=adapter,
     )
 

@@ -64,6 +64,7 @@ class ChatFormat:
         parsed = ToolCallParser(call_format(spec))
         parsed.feed(c.text, final=True)
         calls = valid_calls(spec, parsed.result.calls)
+        # No text: `content` is null, as OpenAI's, whether or not a call came out.
         message: dict[str, Any] = {"role": "assistant", "content": parsed.result.content}
         if calls:
             message["tool_calls"] = [
@@ -71,8 +72,6 @@ class ChatFormat:
                  "function": {"name": call.name, "arguments": call.arguments}}
                 for i, call in enumerate(calls)
             ]
-        elif message["content"] is None:
-            message["content"] = ""
         return message, _finish(c, bool(calls))
 
     def _tool_chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:

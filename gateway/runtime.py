@@ -14,7 +14,7 @@ from engine.async_engine import LOAD_STAGES, AsyncEngine
 from gateway.auth import Authenticator
 from gateway.config import ServeConfig
 from gateway.errors import APIError, not_ready
-from gateway.limits import SharedLimiter, TenantLimiter
+from gateway.limits import Seats, SharedLimiter, TenantLimiter
 from gateway.metrics import Metrics
 from gateway.params import EngineFacts
 from gateway.shared_adapters import SharedAdapters
@@ -36,7 +36,8 @@ class Runtime:
         self.engine = engine or AsyncEngine(config.engine_config())
         shared = config.redis_url is not None
         self.auth = Authenticator(config.api_keys, config.tenants, config.default_limits,
-                                  waiting=shared and config.api_keys is None)
+                                  waiting=shared and config.api_keys is None,
+                                  admin_keys=config.admin_keys)
         self.cluster: Cluster | None = None
         if config.redis_url:
             from gateway.cluster import Cluster  # imports redis, needed only with --redis-url
@@ -44,6 +45,8 @@ class Runtime:
             self.cluster = Cluster(self, config.redis_url)
         self.limiter: TenantLimiter | SharedLimiter = (
             self.cluster.limiter if self.cluster else TenantLimiter(self.auth.limits_for))
+        self.seats = Seats(lambda: self.engine.num_outstanding, config.max_num_seqs,
+                           config.max_queue)
         self.shared_adapters: SharedAdapters | None = (
             self.cluster.adapters if self.cluster else None)
         self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth)

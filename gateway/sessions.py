@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, bad_request, clip
 from gateway.params import chat_messages
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.sse import DONE, event
@@ -42,7 +42,7 @@ class ForkSession(BaseModel):
 
 
 def session_not_found(session_id: str) -> APIError:
-    return APIError(404, f"No session found with id '{session_id}'.", param="session_id",
+    return APIError(404, f"No session found with id '{clip(session_id)}'.", param="session_id",
                     code="session_not_found")
 
 
@@ -71,7 +71,7 @@ async def resolve_session(
     session = await find_session(store, tenant, body.session_id)
     if body.model != session.model:
         raise bad_request(f"session '{session.id}' uses model '{session.model}', not "
-                          f"'{body.model}'", "model")
+                          f"'{clip(body.model)}'", "model")
     if body.n != 1:
         raise bad_request("a session turn has one reply: n must be 1", "n")
     return SessionTurn(store, session, chat_messages(body))

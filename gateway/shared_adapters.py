@@ -21,7 +21,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, bad_request, clip
+from lora.quota import AdapterQuota, QuotaExceeded
 from lora.shared_store import SharedAdapterStore
 
 log = logging.getLogger(__name__)
@@ -99,12 +100,18 @@ class SharedAdapters:
                 raise exists(name)
         await asyncio.to_thread(self.manager().remove, tenant, name)
 
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        """The tenant's adapters fleet-wide: how many, and the bytes of their files."""
+        async with unavailable():
+            return await self.store.usage(tenant)
+
     async def publish(self, tenant: str, name: str, obj: dict[str, Any],
-                      files: dict[str, bytes]) -> bool:
-        """Register a validated upload (already in the local manager). False: name taken."""
+                      files: dict[str, bytes], quota: AdapterQuota) -> bool:
+        """Register a validated upload (already in the local manager). False: name taken.
+        Raises `QuotaExceeded` (checked in Redis, atomically across replicas)."""
         meta = {k: v for k, v in obj.items() if k not in ("tier", "pinned")}
         async with unavailable():
-            version = await self.store.publish(tenant, name, meta, files)
+            version = await self.store.publish(tenant, name, meta, files, quota)
         if version is not None:
             self.versions[(tenant, name)] = version
         return version is not None
@@ -150,8 +157,12 @@ def exists(name: str) -> APIError:
 
 def invalid(name: str, e: ValueError) -> APIError:
     problems = getattr(e, "problems", [str(e)])
-    return bad_request(f"adapter {name!r} is invalid: " + "; ".join(problems), "files",
+    return bad_request(f"adapter {clip(name)!r} is invalid: " + "; ".join(problems), "files",
                        "invalid_adapter")
+
+
+def over_quota(e: QuotaExceeded) -> APIError:
+    return APIError(403, str(e), code="adapter_quota_exceeded")
 
 
 @asynccontextmanager

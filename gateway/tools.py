@@ -45,11 +45,12 @@ def resolve_tools(body: ChatCompletionRequest) -> ToolChoice | None:
 
 
 def tools_constraint(
-    body: ChatCompletionRequest, fmt: CallFormat = HERMES
+    body: ChatCompletionRequest, fmt: CallFormat = HERMES, choice: ToolChoice | None = None
 ) -> ConstraintSpec | None:
     """The tool-call constraint in format `fmt` (None when calls are off); refuses
-    `response_format` beside active tools, since the output is then the call format."""
-    spec = tool_constraint(resolve_tools(body), fmt)
+    `response_format` beside active tools, since the output is then the call format.
+    `choice`: the body's tools already resolved (else resolved here)."""
+    spec = tool_constraint(choice or resolve_tools(body), fmt)
     if spec is not None and (body.response_format or body.structured_outputs):
         if (body.response_format or {}).get("type") != "text":
             raise bad_request("response_format cannot be combined with tools unless "
@@ -58,12 +59,12 @@ def tools_constraint(
 
 
 def render_messages(
-    body: ChatCompletionRequest, native: bool
+    body: ChatCompletionRequest, native: bool, choice: ToolChoice | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template. `native`: the template renders tools and tool
     messages itself; else the fallback prompt above. Checks that every `tool` message answers
-    a call of an earlier assistant message."""
-    choice = resolve_tools(body)
+    a call of an earlier assistant message. `choice`: the body's tools already resolved."""
+    choice = choice or resolve_tools(body)
     call_ids: set[str] = set()
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):

@@ -1,7 +1,8 @@
 """Load a PEFT LoRA adapter folder, validated against the base model.
 
 A folder is `adapter_config.json` + `adapter_model.safetensors`; other files (README.md,
-tokenizer files) are ignored. Pickled weights (`.bin`, `.pt`) are refused, never opened.
+tokenizer files) are ignored. Pickled weights (`.bin`, `.pt`) are refused, never opened, also
+beside a safetensors file.
 Every problem found is reported at once in one `AdapterError`.
 """
 
@@ -126,15 +127,18 @@ def load_adapter(
         problems += found
 
     weights = folder / WEIGHTS_FILE
+    # Refused even beside a sound safetensors file: the folder is the adapter, all of it.
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        problems.append(
+            f"{', '.join(pickles)}: pickled weights are never loaded (unpickling runs "
+            f"arbitrary code); "
+            + (f"remove them, {WEIGHTS_FILE} holds the weights" if weights.is_file() else
+               "save the adapter with safetensors: "
+               "model.save_pretrained(path, safe_serialization=True)")
+        )
     if not weights.is_file():
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            problems.append(
-                f"{', '.join(pickles)}: pickled weights are never loaded (unpickling runs "
-                f"arbitrary code); save the adapter with safetensors: "
-                f"model.save_pretrained(path, safe_serialization=True)"
-            )
-        else:
+        if not pickles:
             problems.append(f"missing {WEIGHTS_FILE}")
         raise AdapterError(name, problems)
 
@@ -162,7 +166,15 @@ def load_adapter(
         a, b = tensors[m.a.name], tensors[m.b.name]
         if dtype is not None:
             a, b = a.to(dtype), b.to(dtype)
-        layers[m.layer][m.module] = LoraModule(a, b, settings.scale(m.path))
+        scale = settings.scale(m.path)
+        ratio = scale / settings.default_scale
+        # A slot holds A and B times the scaling ratio (lora/slots.py), in the serving dtype.
+        if not (torch.isfinite(a).all() and torch.isfinite(b * ratio).all()):
+            problems.append(f"{weights.name}: {m.path}: lora_A, or lora_B times its scaling "
+                            f"ratio {ratio:g}, overflows {a.dtype}")
+        layers[m.layer][m.module] = LoraModule(a, b, scale)
+    if problems:
+        raise AdapterError(name, problems)
     return LoraAdapter(
         name=name,
         rank=max(m.a.shape[0] for m in modules),

@@ -10,7 +10,9 @@ A request's adapter, from the engine thread:
     can_admit(req)  the scheduler's one predicate. True once the adapter sits in a device slot;
                     that slot is then pinned until release(req). Otherwise it starts reading
                     the folder in a background thread (never on the step loop) and answers
-                    False: the request waits and the others go ahead.
+                    False: the request waits and the others go ahead. When the read or the
+                    copy into the slot fails, the requests waiting for that adapter fail
+                    (`take_failed`), never the step.
     slot_of(req)    the slot the model runner puts in `LoraBatchInfo` (-1: base model).
     release(req)    at finish or abort: unpin.
 
@@ -24,6 +26,7 @@ one lock guards all state. Weights are copied host -> device only on the engine 
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 import shutil
 import threading
@@ -45,6 +48,8 @@ if TYPE_CHECKING:
     from engine.config import ModelConfig
     from engine.request import Request
 
+log = logging.getLogger(__name__)
+
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _UIDS = itertools.count(1)
 
@@ -65,7 +70,8 @@ class AdapterInfo:
     tenant: str
     rank: int
     target_modules: tuple[str, ...]
-    num_bytes: int
+    num_bytes: int  # the weights
+    stored_bytes: int  # the folder's files on disk (what a tenant's storage quota counts)
     created: int
     pinned: bool
     tier: str  # "device" | "host" | "disk": the fastest tier holding it now
@@ -80,6 +86,7 @@ class _Entry:
     rank: int
     target_modules: tuple[str, ...]
     num_bytes: int
+    stored_bytes: int
     pinned: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     removed: bool = False
@@ -281,22 +288,34 @@ class AdapterManager:
                 self._host_put(entry, future.result())
             except Exception as e:  # noqa: BLE001 - any failure fails its requests
                 problems = e.problems if isinstance(e, AdapterError) else [str(e)]
-                why = f"adapter {entry.name!r} can no longer be loaded: {'; '.join(problems)}"
-                self._failed += [(r, why) for r, x in self._attached.items() if x is entry]
+                self._fail_waiting(entry, f"can no longer be loaded: {'; '.join(problems)}")
                 return False
         slot = self._free_slot()
         if slot is None:
             return False
-        old = self._owner[slot]
+        old, self._owner[slot] = self._owner[slot], None
         if old is not None:
             old.slot = None
             if not old.removed:
                 self.stats.evictions["device"] += 1
         assert self.slots is not None and entry.adapter is not None
-        self.slots.load(slot, entry.adapter)
+        try:
+            self.slots.load(slot, entry.adapter)
+        except Exception as e:  # noqa: BLE001 - one adapter's failure fails its requests only
+            self.slots.clear(slot)
+            self._host.pop(entry, None)  # its next use reads (and validates) the folder again
+            entry.adapter = None
+            self._fail_waiting(entry, f"could not be loaded into a device slot: {e}")
+            return False
         self._owner[slot], entry.slot = entry, slot
         self.stats.loads["device"] += 1
         return True
+
+    def _fail_waiting(self, entry: _Entry, problem: str) -> None:
+        """Fail the requests waiting for `entry` (the engine takes them from `take_failed`)."""
+        why = f"adapter {entry.name!r} {problem}"
+        log.warning("%s (tenant %r)", why, entry.tenant)
+        self._failed += [(r, why) for r, x in self._attached.items() if x is entry]
 
     def _free_slot(self) -> int | None:
         """An empty slot, else the least recently used one nobody pins."""
@@ -332,9 +351,10 @@ class AdapterManager:
 
     def _check_name(self, name: str) -> None:
         if not isinstance(name, str) or not NAME.fullmatch(name):
+            shown = str(name) if len(str(name)) <= 64 else str(name)[:64] + "…"  # never 1 MB
             raise AdapterError(
-                str(name),
-                [f"adapter name {name!r} must be 1-64 characters of letters, digits, '.', '_' "
+                shown,
+                [f"adapter name {shown!r} must be 1-64 characters of letters, digits, '.', '_' "
                  "or '-', starting with a letter or digit"],
             )
 
@@ -353,23 +373,24 @@ class AdapterManager:
             tenant = unquote(folder.parent.name)
             try:
                 adapter = self._read(folder, folder.name)
-            except AdapterError:
-                continue  # written by another version or damaged: not served
+            except Exception as e:  # noqa: BLE001 - written by another version, or damaged
+                log.warning("stored adapter %s is not served: %s", folder, e)
+                continue
             entry = _entry(tenant, folder.name, folder, True, adapter, False)
             self._registry[(tenant, folder.name)] = entry
             self._host_put(entry, adapter)
 
     def _info(self, e: _Entry) -> AdapterInfo:
         tier = "device" if e.slot is not None else "host" if e.adapter is not None else "disk"
-        return AdapterInfo(
-            e.name, e.tenant, e.rank, e.target_modules, e.num_bytes, e.created, e.pinned, tier
-        )
+        return AdapterInfo(e.name, e.tenant, e.rank, e.target_modules, e.num_bytes,
+                           e.stored_bytes, e.created, e.pinned, tier)
 
 
 def _entry(
     tenant: str, name: str, path: Path, owned: bool, adapter: LoraAdapter, pinned: bool
 ) -> _Entry:
+    stored = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return _Entry(
         tenant, name, path, owned, adapter.rank, tuple(sorted(adapter.target_modules)),
-        adapter.num_bytes, pinned,
+        adapter.num_bytes, stored, pinned,
     )

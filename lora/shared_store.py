@@ -7,8 +7,10 @@ Keys:
                                                    hash file name -> bytes (no TTL)
 
 The registry is the truth: an upload is registered (and its files written) in one Lua script
-that refuses a name the tenant already has; a delete removes one version. Each replica's
-`--adapter-dir` is its local cache of validated copies. Adapters are small (LoRA deltas, a few
+that refuses a name the tenant already has, or an adapter past the tenant's quota (count, and
+bytes of files: `stored_bytes` of its entries), so that concurrent uploads through several
+replicas cannot exceed it together; a delete removes one version. Each replica's `--adapter-dir`
+is its local cache of validated copies. Adapters are small (LoRA deltas, a few
 MB to a few hundred), so Redis holds them whole; `--max-adapter-bytes` bounds each.
 
 No torch here: the gateway imports it.
@@ -21,15 +23,25 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from lora.quota import AdapterQuota, QuotaExceeded
+
 REGISTRY = "switchboard:adapters:"
 FILES = "switchboard:adapter-files:"
 
-# KEYS: registry, files. ARGV: name, meta JSON, then file name / bytes pairs.
+# KEYS: registry, files. ARGV: name, meta JSON, max adapters, max bytes, then file name / bytes
+# pairs. Returns {1} (registered), {0} (name taken) or {-1, count, bytes used} (over quota).
 _PUBLISH = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {0} end
+local entries = redis.call('HVALS', KEYS[1])
+local used = 0
+for _, meta in ipairs(entries) do used = used + (cjson.decode(meta)['stored_bytes'] or 0) end
+local size = cjson.decode(ARGV[2])['stored_bytes'] or 0
+if #entries + 1 > tonumber(ARGV[3]) or used + size > tonumber(ARGV[4]) then
+  return {-1, #entries, used}
+end
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
+return {1}
 """
 
 # KEYS: registry, files. ARGV: name, version. Deletes only that version.
@@ -60,16 +72,27 @@ class SharedAdapterStore:
         entries = [json.loads(v) for v in (await self.redis.hgetall(REGISTRY + tenant)).values()]
         return sorted(entries, key=lambda m: (m["created"], m["id"]))
 
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        """The tenant's adapters: how many, and the bytes of their stored files."""
+        entries = await self.list(tenant)
+        return len(entries), sum(m.get("stored_bytes", 0) for m in entries)
+
     async def publish(self, tenant: str, name: str, meta: dict[str, Any],
-                      files: dict[str, bytes]) -> str | None:
-        """Register `name` with its files; its version, or None when the name is taken."""
+                      files: dict[str, bytes], quota: AdapterQuota) -> str | None:
+        """Register `name` with its files (`meta["stored_bytes"]` their size); its version, or
+        None when the name is taken. Raises `QuotaExceeded`, registering nothing."""
         version = uuid.uuid4().hex
-        args: list[Any] = [name, json.dumps({**meta, "version": version})]
+        args: list[Any] = [name, json.dumps({**meta, "version": version}), quota.max_adapters,
+                           quota.max_bytes]
         for filename, data in files.items():
             args += [filename, data]
-        ok = await self._publish(keys=[REGISTRY + tenant, _files(tenant, name, version)],
-                                 args=args)
-        return version if ok else None
+        status, *usage = await self._publish(
+            keys=[REGISTRY + tenant, _files(tenant, name, version)], args=args)
+        if status == -1:
+            count, used = usage
+            size = meta.get("stored_bytes", 0)
+            raise QuotaExceeded(quota.problem(count, used, size) or "adapter quota exceeded")
+        return version if status == 1 else None
 
     async def download(self, tenant: str, name: str, version: str, dest: Path) -> None:
         """Write that version's files into the folder `dest`."""

@@ -43,6 +43,9 @@ _UNSUPPORTED_FIELDS = {
     "use_qalora": "QA-LoRA (use_qalora)",
 }
 
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
 _KEY = re.compile(
     r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])"
     r"(?:\.default)?\.weight"
@@ -166,7 +169,30 @@ def check_config(
         dict(rank_pattern),
         {k: float(v) for k, v in alpha_pattern.items()},
     )
+    problems += [f"{where}: {p}" for p in _check_scales(settings, paths)]
     return settings, problems
+
+
+def _check_scales(settings: LoraSettings, paths: list[str]) -> list[str]:
+    """Every scaling the adapter gives a module must be a usable float32: a slot stores the
+    default scaling as float32 and folds each module's ratio to it into B (lora/slots.py), so
+    a scaling that overflows (lora_alpha=1e308) or vanishes would fail in the engine step."""
+    r = f"sqrt({settings.r})" if settings.use_rslora else str(settings.r)
+    default = settings.default_scale
+    if not _is_float32(default):
+        return [f"the scaling lora_alpha / {'sqrt(r)' if settings.use_rslora else 'r'} = "
+                f"{settings.alpha:g} / {r} = {default:g} is outside float32's range "
+                f"({FLOAT32_TINY:.2g} to {FLOAT32_MAX:.2g})"]
+    problems: dict[float, str] = {}
+    for path in paths:  # each distinct bad scaling once, named by its first module
+        scale = settings.scale(path)
+        if scale not in problems and not (_is_float32(scale) and _is_float32(scale / default)):
+            problems[scale] = (
+                f"{path}: rank_pattern / alpha_pattern give it the scaling {scale:g}, "
+                f"{scale / default:g} times the default {default:g}; both must lie within "
+                f"float32's range ({FLOAT32_TINY:.2g} to {FLOAT32_MAX:.2g})"
+            )
+    return list(problems.values())
 
 
 def _check_targets(targets: object, where: str) -> list[str]:
@@ -283,6 +309,11 @@ def _check_pair(
     if rank == 0:
         problems.append(f"{path}: rank 0")
     return problems
+
+
+def _is_float32(x: float) -> bool:
+    """A finite number whose magnitude float32 holds as a normal number (not 0, not inf)."""
+    return math.isfinite(x) and FLOAT32_TINY <= abs(x) <= FLOAT32_MAX
 
 
 def _is_int(v: object) -> bool:

@@ -23,12 +23,15 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# key -> tenant; beta may run one request at a time, gamma 40 tokens a minute.
+# key -> tenant; beta may run one request at a time, gamma 40 tokens a minute; ops reads
+# /metrics (an admin key).
 API_KEYS = {
     "sk-test-alpha": "alpha",
     "sk-test-beta": {"tenant": "beta", "max_concurrent_requests": 1},
     "sk-test-gamma": {"tenant": "gamma", "tokens_per_minute": 40},
+    "sk-test-ops": {"tenant": "ops", "admin": True},
 }
+ADMIN_KEY = "sk-test-ops"
 # Small and fast: 8 seats + 12 queued sequences (so 16 concurrent requests fit, 40 do not).
 SERVE_FLAGS = ["--kv-pages", "160", "--page-size", "16", "--max-num-seqs", "8",
                "--max-queue", "12", "--max-num-batched-tokens", "256", "--log-level", "warning"]
@@ -94,8 +97,10 @@ class GatewayServer:
 
 
 def read_metrics(url: str) -> dict[str, float]:
-    """A server's /metrics as {series (name with labels): value}."""
-    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    """A server's /metrics as {series (name with labels): value} (read with `ADMIN_KEY`,
+    which servers without it must serve --public-metrics or without keys)."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    lines = httpx.get(url + "/metrics", headers=headers, timeout=30).text.splitlines()
     return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines
             if ln and not ln.startswith("#")}
 

@@ -196,8 +196,8 @@ def test_redis_outage(server: Server, redis: Redis) -> None:
               if ln.startswith("data:") and ln != "data: [DONE]"]
     assert events[-1]["error"]["code"] == "session_store_unavailable"  # not a silent [DONE]
 
-    served = 0
-    while time.monotonic() - t0 < OUTAGE_S:
+    served = 0  # at least 3 rounds however slow the machine, for at least OUTAGE_S seconds
+    while served < 3 or time.monotonic() - t0 < OUTAGE_S:
         r = server.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "messages": [
             {"role": "user", "content": "Still there?"}]})
         assert r.status_code == 200, r.text  # sessionless: Redis is not on its path
@@ -206,7 +206,6 @@ def test_redis_outage(server: Server, redis: Redis) -> None:
         assert _unavailable(_turn(server, sid, "Are you there?", stream=True))
         assert _unavailable(server.post("/v1/sessions", {"model": MODEL}))
         assert _unavailable(httpx.get(server.url + f"/v1/sessions/{sid}"))
-    assert served >= 3
     redis.start()
 
     r = _turn(server, sid, "Back again.")  # the store reconnected by itself

@@ -52,7 +52,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--api-keys",
            str(tmp / "keys.json"), "--adapter-dir", str(store), "--max-loras", "2",
            "--max-cpu-loras", "2", "--max-lora-rank", "16", "--max-adapter-bytes", str(LIMIT),
-           "--kv-pages", "128", "--max-num-seqs", "8", "--log-level", "warning"]
+           "--kv-pages", "128", "--max-num-seqs", "8", "--log-level", "warning",
+           "--public-metrics"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with log.open("w") as out:

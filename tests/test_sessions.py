@@ -228,7 +228,7 @@ def test_turns_hit_the_cache_and_equal_a_cold_run(server: Server) -> None:
     history = server.http("GET", f"/v1/sessions/{sid}").json()["messages"]
     assert len(history) == 7 and history[-1] == {"role": "assistant", "content": text}
 
-    metrics = server.http("GET", "/metrics").text
+    metrics = server.http("GET", "/metrics", "sk-test-ops").text  # an admin key
     hits = next(float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("switchboard_prefix_cache_hit_tokens_total"))
     assert hits > 0 and "switchboard_session_pinned_pages" in metrics
