@@ -78,7 +78,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora,
             cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len, eos_token_ids=sorted(self.eos_token_ids),
         )
         self._requests: dict[str, Request] = {}
         overlap = cfg.overlap_schedule

@@ -36,9 +36,12 @@ class ModelRunner:
         lora: LoraContext | None = None,
         cuda_graph_max_batch: int = 0,
         max_model_len: int | None = None,
+        eos_token_ids: list[int] | None = None,
     ):
         """`cuda_graph_max_batch > 0` on a CUDA model captures decode graphs for batches up to
-        that size and contexts up to `max_model_len` (default: the whole pool)."""
+        that size and contexts up to `max_model_len` (default: the whole pool).
+        `eos_token_ids` (default: the model config's) are banned until a request's
+        `min_tokens`."""
         self.model = model
         self.grammar = grammar
         self.lora = lora  # set when the model's projections are LoRA-wrapped
@@ -57,7 +60,8 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.device = w.device
-        self.sampler = Sampler(seed)
+        eos = cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
+        self.sampler = Sampler(seed, eos)
         self.graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
         if cuda_graph_max_batch > 0 and self.device.type == "cuda":

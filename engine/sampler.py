@@ -1,18 +1,33 @@
-"""Turns the last-position logits of a step into tokens.
+"""Turns the last-position logits of a step into tokens, for all rows at once on the device.
 
-Order per row: logit bias and penalties -> (logprobs) -> greedy, or temperature, top-k, top-p,
-min-p and a draw. Rows with a seed draw from their own generator, so a seeded request gives
-the same tokens alone or in any batch.
+Order per row: logit bias, repetition penalty, presence and frequency penalties, min_tokens
+bans -> (logprobs) -> greedy, or temperature, top-k, top-p, min-p and a draw. The host sends the
+step's parameters in one copy (`engine.sampling_rows`); the only sync of a step is reading the
+tokens back in `collect`.
+
+The draw is an exponential race (`engine.race`) over noise hashed on the device from the
+request's seed, the index of the token being drawn and the candidates' ids: a seeded request
+gets the same noise alone or in any batch, on the CPU or a GPU, and so the same tokens (up to
+float rounding of its own probabilities, which only decides near-exact ties). An unseeded
+request gets a seed drawn once from the engine-seeded generator, so every row takes the same
+path.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from engine.messages import TokenLogprob
+from engine.race import Race
 from engine.request import Request
+from engine.sampling_rows import GREEDY, PLAIN, TOP_K, RowState, StepRows, upload
+
+TIE_MARGIN = 64  # candidates past max(top_k) that settle ties at the k-th place by token id
 
 
 @dataclass
@@ -20,6 +35,14 @@ class SampleResult:
     token_id: int
     logprob: TokenLogprob | None = None
     error: str | None = None  # the row could not be sampled: its request fails with this
+
+
+class Logprobs(NamedTuple):
+    """The logprob rows' numbers, in (pinned) host memory once `Drawn.done` has passed."""
+
+    chosen: torch.Tensor  # (L,) fp32: the drawn token's logprob
+    top_ids: torch.Tensor  # (L, k) int64, best first; k: the most any row asked for
+    top_values: torch.Tensor  # (L, k) fp32
 
 
 @dataclass
@@ -30,17 +53,21 @@ class Drawn:
     host: torch.Tensor  # (N,) the same, in (pinned) host memory once `done` has passed
     done: torch.cuda.Event | None  # None on the CPU
     reqs: list[Request]
-    logprobs: torch.Tensor | None  # (N, V) log-softmax, when a row asked for logprobs
-    logprob_rows: list[int]
+    logprobs: Logprobs | None  # when a row asked for logprobs
+    logprob_rows: list[int]  # the rows of `logprobs`, in order
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}  # request_id -> seeded generator
+    def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = ()):
+        """`eos_token_ids`: banned, with each request's stop_token_ids, until the request has
+        `min_tokens` output tokens (unless it ignores EOS)."""
+        self.rng = random.Random(seed)  # seeds of unseeded requests
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._states: dict[str, RowState] = {}  # request_id -> what a request's steps share
+        self.race = Race()
 
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._states.pop(request_id, None)
 
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], ok: torch.Tensor | None = None
@@ -54,44 +81,27 @@ class Sampler:
     ) -> Drawn:
         """Queue the draw of every row; nothing waits for the device.
 
-        logits: [N, V] fp32 (modified in place), on any device; reqs: the N requests, row
-        order. ok: [N] bool on the logits' device, or None for all; a row not ok comes back with
-        token_id -1 (its request fails). The tokens (with `ok` folded in) start back to the
-        host at once, into pinned memory: `collect` waits for that copy only, the step's one
-        sync for a batch without logprobs.
+        logits: [N, V] fp32, contiguous (modified in place), on any device; reqs: the N
+        requests, row order. ok: [N] bool on the logits' device, or None for all; a row not ok
+        comes back with token_id -1 (its request fails). The tokens (with `ok` folded in)
+        start back to the host at once, into pinned memory: `collect` waits for that copy
+        only, the step's one sync.
         """
-        dev = logits.device
-        random_rows: list[int] = []
-        logprob_rows: list[int] = []
-        for i, req in enumerate(reqs):
-            p = req.params
-            if p.logit_bias:
-                bias = {t: b for t, b in p.logit_bias.items() if int(t) < logits.shape[1]}
-                ids = _upload([int(t) for t in bias], torch.long, dev)
-                logits[i, ids] += _upload(list(bias.values()), torch.float32, dev)
-            if p.needs_penalties and req.num_output_tokens:
-                _apply_penalties(logits[i], req)
-            if not p.greedy:
-                random_rows.append(i)
-            if p.logprobs is not None:
-                logprob_rows.append(i)
-
-        logprobs = torch.log_softmax(logits, dim=-1) if logprob_rows else None
-
-        tokens = logits.argmax(dim=-1)
-        if random_rows:
-            rows = _upload(random_rows, torch.long, dev)
-            probs = _filtered_probs(logits[rows], [reqs[i] for i in random_rows])
-            tokens[rows] = self._draw(probs, [reqs[i] for i in random_rows])
+        rows, on = self._prepare(logits, reqs)
+        tokens = self._draw(logits, rows, on)
+        logprobs = None
+        if rows.logprob_rows:
+            logprobs = _logprobs(logits, on["logprob_rows"], tokens, rows.logprob_k)
         if ok is not None:
             tokens = torch.where(ok, tokens, -1)
         if not tokens.is_cuda:
-            return Drawn(tokens, tokens, None, reqs, logprobs, logprob_rows)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return Drawn(tokens, tokens, None, reqs, logprobs, rows.logprob_rows)
+        host = _to_host(tokens)
+        if logprobs is not None:
+            logprobs = Logprobs(*map(_to_host, logprobs))
         done = torch.cuda.Event()
         done.record()
-        return Drawn(tokens, host, done, reqs, logprobs, logprob_rows)
+        return Drawn(tokens, host, done, reqs, logprobs, rows.logprob_rows)
 
     @torch.inference_mode()
     def collect(self, drawn: Drawn) -> list[SampleResult]:
@@ -100,79 +110,155 @@ class Sampler:
             drawn.done.synchronize()
         token_list = drawn.host.tolist()
         out = [SampleResult(t) for t in token_list]
-        for i in drawn.logprob_rows:
-            t = token_list[i]
-            if t < 0:
+        if drawn.logprobs is None:
+            return out
+        chosen, top_ids, top_values = (t.tolist() for t in drawn.logprobs)
+        for j, i in enumerate(drawn.logprob_rows):
+            if token_list[i] < 0:
                 continue
             k = drawn.reqs[i].params.logprobs or 0
-            row = drawn.logprobs[i]
-            top = []
-            if k:
-                vals, ids = row.topk(k)
-                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-            out[i].logprob = TokenLogprob(t, float(row[t]), top)
+            top = list(zip(top_ids[j][:k], top_values[j][:k], strict=True))
+            out[i].logprob = TokenLogprob(token_list[i], chosen[j], top)
         return out
 
-    def _draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p.
+    @torch.inference_mode()
+    def distribution(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """[N, V]: the probabilities each row draws from (greedy rows: one-hot), by the path
+        `launch` takes (tests compare it with the definitions). `logits` stay as they are."""
+        logits = logits.clone()
+        rows, on = self._prepare(logits, reqs)
+        greedy = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1])
+        if rows.path == GREEDY:
+            return greedy.to(logits.dtype)
+        probs = self._filtered(logits, rows, on)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        if not rows.any_greedy:
+            return probs
+        return torch.where(on["greedy"].unsqueeze(1), greedy.to(probs.dtype), probs)
 
-        The noise is drawn on the CPU, so a seeded request gives the same tokens on any device.
-        """
-        # Pinned where the rows are on a GPU, so the upload does not wait for the forward.
-        noise = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=probs.is_cuda)
-        for i, req in enumerate(reqs):
-            seed = req.params.seed
-            if seed is None:
-                noise[i].exponential_(generator=self.generator)
-                continue
-            g = self._generators.get(req.request_id)
-            if g is None:
-                g = self._generators[req.request_id] = torch.Generator().manual_seed(seed)
-            noise[i].exponential_(generator=g)
-        return (probs / noise.to(probs.device, non_blocking=True)).argmax(dim=-1)
+    def _state(self, req: Request, vocab: int) -> RowState:
+        st = self._states.get(req.request_id)
+        if st is None or st.req is not req:
+            st = self._states[req.request_id] = RowState(req, self.rng, vocab, self.eos_token_ids)
+        return st
+
+    def _prepare(
+        self, logits: torch.Tensor, reqs: list[Request]
+    ) -> tuple[StepRows, dict[str, torch.Tensor]]:
+        """The step's parameters, sent in one copy, and bias, penalties and bans applied."""
+        rows = StepRows(reqs, logits.shape[1], self._state)
+        on = upload(rows.arrays, logits.device)
+        _adjust(logits, on)
+        return rows, on
+
+    def _draw(
+        self, logits: torch.Tensor, rows: StepRows, on: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """(N,) int64: greedy rows' argmax, the others' draw."""
+        if rows.path == GREEDY:
+            return logits.argmax(dim=-1)
+        drawn = self.race(self._filtered(logits, rows, on), on["ints"][1])
+        if rows.any_greedy:
+            drawn = torch.where(on["greedy"], logits.argmax(dim=-1), drawn)
+        return drawn
+
+    def _filtered(
+        self, logits: torch.Tensor, rows: StepRows, on: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """[N, V]: each row's distribution after temperature, top-k, top-p and min-p,
+        unnormalized, in vocabulary order. One path for the batch: the whole vocabulary when
+        no row filters by rank or mass, the top max(k) when every sampled row has a top-k,
+        else a full sort. The race after it is the same for every path, so a row's token does
+        not depend on which one its batch took."""
+        temperature, top_p, min_p = on["floats"].unsqueeze(2)  # each (N, 1)
+        top_p = top_p if rows.any_top_p else None
+        min_p = min_p if rows.any_min_p else None
+        if rows.path == PLAIN:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            if min_p is not None:
+                probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+            return probs
+        # Temperature keeps the order: select on the logits, scale the candidates only.
+        if rows.path == TOP_K:
+            vals, ids = _top_k(logits, rows.k)
+            dense = torch.zeros_like(logits)
+        else:
+            vals, ids = logits.sort(dim=-1, descending=True, stable=True)
+            dense = torch.empty_like(logits)  # every entry is written: ids is a permutation
+        probs = filter_sorted(vals / temperature, on["ints"][0].unsqueeze(1), top_p, min_p)
+        return dense.scatter_(1, ids, probs)
 
 
-def _apply_penalties(row: torch.Tensor, req: Request) -> None:
-    """OpenAI presence/frequency penalties and the multiplicative repetition penalty."""
-    p = req.params
-    out = _upload(req.output_token_ids, torch.long, row.device)
-    counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros_like(row, dtype=torch.bool)
-        seen[_upload(req.token_ids, torch.long, row.device)] = True
-        penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        row.copy_(torch.where(seen, penalized, row))
-    row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+def filter_sorted(
+    vals: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Probabilities of sorted candidates after top-k, top-p and min-p; dropped ones are 0.
 
-
-def _filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Temperature, then top-k / top-p / min-p masks; returns probabilities [N, V]."""
-    dev = logits.device
-    temps = _upload([r.params.temperature for r in reqs], logits.dtype, dev)
-    logits = logits / temps.unsqueeze(1)
-    top_k = [r.params.top_k for r in reqs]
-    top_p = [r.params.top_p for r in reqs]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[1]
-        k = _upload([k if k > 0 else vocab for k in top_k], torch.long, dev).unsqueeze(1)
-        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-        drop = ranks >= k
-        sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the first stays.
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= before >= _upload(top_p, logits.dtype, dev).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    if any(r.params.min_p > 0 for r in reqs):
-        min_p = _upload([r.params.min_p for r in reqs], probs.dtype, dev).unsqueeze(1)
-        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    Args:
+        vals: [N, K] temperature-scaled logits, best first (ties: lower token id first).
+        top_k, top_p, min_p: [N, 1] per row (top_k >= K: off; None: off for every row).
+    Returns [N, K], proportional to the row's filtered distribution (not renormalized: the
+    race does not need it). A candidate is dropped past rank top_k; when the mass strictly
+    before it already reaches top_p (of the top-k renormalized mass; the first always stays);
+    when its probability is below min_p times the top one.
+    """
+    ranks = torch.arange(vals.shape[1], device=vals.device)
+    probs = torch.softmax(vals.masked_fill(ranks >= top_k, float("-inf")), dim=-1)
+    if top_p is not None:
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
     return probs
 
 
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small tensor from host values onto `device`, through pinned memory without waiting for
-    the GPU's queued work (`torch.tensor(..., device=cuda)` waits for it)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
+def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of each row, best first, ties in token id order on any device. torch.topk
+    breaks ties its own way, so it takes TIE_MARGIN more and a stable sort orders those: a tie
+    at the k-th place is settled by id unless it spans more than TIE_MARGIN further tokens."""
+    vals, ids = logits.topk(min(k + TIE_MARGIN, logits.shape[1]), dim=-1)
+    ids, order = ids.sort(dim=-1)
+    vals, order = vals.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return vals[:, :k], ids.gather(1, order[:, :k])
+
+
+def _adjust(logits: torch.Tensor, on: dict[str, torch.Tensor]) -> None:
+    """Logit bias, penalties and min_tokens bans, in place, from the step's sparse entries
+    (indices into the flattened logits)."""
+    flat = logits.view(-1)
+    if "bias_at" in on:
+        at = on["bias_at"]
+        flat[at] = flat[at] + on["bias_values"]
+    if "repetition_at" in on:
+        at, rp = on["repetition_at"], on["repetition_values"]
+        seen = flat[at]  # read before any write: repeated entries write the same value
+        flat[at] = torch.where(seen > 0, seen / rp, seen * rp)
+    if "penalty_at" in on:
+        at = on["penalty_at"]
+        flat[at] = flat[at] + on["penalty_values"]
+    if "ban_at" in on:
+        at = on["ban_at"]
+        was = flat[at]
+        flat.index_fill_(0, at, float("-inf"))
+        # A row left with nothing (a grammar that may only end) keeps its banned tokens.
+        dead = logits.amax(dim=-1) == float("-inf")
+        flat[at] = torch.where(dead[at // logits.shape[1]], was, float("-inf"))
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k: int
+) -> Logprobs:
+    """The model's log-softmax (after bias and penalties, before temperature) at `rows`: the
+    drawn token's and the k best."""
+    lp = torch.log_softmax(logits[rows], dim=-1)  # (L, V)
+    chosen = lp.gather(1, tokens[rows].unsqueeze(1))[:, 0]
+    top_values, top_ids = lp.topk(k, dim=-1)
+    return Logprobs(chosen, top_ids, top_values)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

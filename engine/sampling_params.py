@@ -26,6 +26,7 @@ class SamplingParams:
     """How to sample one request. `temperature == 0` means greedy."""
 
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are out
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
@@ -72,6 +73,13 @@ class SamplingParams:
             raise bad(f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
         if self.max_tokens <= 0:
             raise bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool):
+            raise bad(f"min_tokens must be an integer, got {self.min_tokens!r}", "min_tokens")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+                "min_tokens",
+            )
         if not self.temperature >= 0.0:  # also catches NaN
             raise bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:

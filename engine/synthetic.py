@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, ModelLoadError
+from engine.counter_rng import hash32
 from engine.models.llama import LlamaForCausalLM
 
 PREFIX = "synthetic:"
@@ -120,7 +121,6 @@ def synthetic_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCa
     return model.eval()
 
 
-_M32 = 0xFFFFFFFF
 _CHUNK = 1 << 24  # elements per pass: bounds the int64 temporaries to ~130 MB
 
 
@@ -128,19 +128,10 @@ def fill_uniform_(t: torch.Tensor, bound: float, salt: int) -> None:
     """t[i] = bound * (2 u_i - 1), u_i in (0, 1) from a hash of (salt, i), identical on
     every device."""
     flat = t.view(-1)
-    salt = _hash32(torch.tensor(salt & 0x7FFFFFFF, dtype=torch.int64)).item()
+    salt = hash32(torch.tensor(salt & 0x7FFFFFFF, dtype=torch.int64)).item()
     for start in range(0, flat.numel(), _CHUNK):
         end = min(start + _CHUNK, flat.numel())
         idx = torch.arange(start, end, dtype=torch.int64, device=t.device)
-        bits = _hash32(_hash32(idx) ^ salt) >> 8  # 24 uniform bits, exact in fp32
+        bits = hash32(hash32(idx) ^ salt) >> 8  # 24 uniform bits, exact in fp32
         u = (bits.to(torch.float32) + 0.5) * 2.0**-24
         flat[start:end] = ((u * 2.0 - 1.0) * bound).to(t.dtype)
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (lowbias32's shape, with multipliers below 2**31 so that no int64
-    product overflows)."""
-    x = x & _M32
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
-    x = ((x ^ (x >> 15)) * 0x5BD1E995) & _M32
-    return x ^ (x >> 16)

@@ -176,6 +176,7 @@ def _params(
             max_tokens = min(max_tokens, facts.default_max_tokens)
     return SamplingParams(
         max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k in (None, 0) else body.top_k,

@@ -82,6 +82,7 @@ class _Generation(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)  # vLLM's: EOS and stop_token_ids banned until then
     repetition_penalty: float | None = Field(None, gt=0)
     stop_token_ids: list[int] | None = None
 
