@@ -154,11 +154,17 @@ def main() -> None:
 
     offline: dict[str, float] = {}
     with rec.section("sampled", 120) as s:
-        offline_tok_s(llm, prompts[:16], [8] * 16, sampled, dev)  # warm-up: graphs, kernels
-        g = offline["greedy"] = offline_tok_s(llm, prompts, outputs, lambda i, m: greedy(m), dev)
-        x = offline_tok_s(llm, prompts, outputs, sampled, dev)
+        # Two rounds each, alternating; the first round also warms up (graphs, kernels).
+        runs: dict[str, list[float]] = {"greedy": [], "sampled": []}
+        for _ in range(2):
+            runs["greedy"].append(offline_tok_s(llm, prompts, outputs,
+                                                lambda i, m: greedy(m), dev))
+            runs["sampled"].append(offline_tok_s(llm, prompts, outputs, sampled, dev))
+        g = offline["greedy"] = runs["greedy"][-1]
+        x = runs["sampled"][-1]
         s.result.update(greedy_tok_s=round(g), sampled_tok_s=round(x),
-                        sampled_vs_greedy_e2e=round(x / g, 3))
+                        sampled_vs_greedy_e2e=round(x / g, 3),
+                        first_round_tok_s={k: round(v[0]) for k, v in runs.items()})
         batch = random_prompts(64 if not quick else 8, 1024 if not quick else 64, 3, vocab)
         for name, make in (("greedy", lambda i, m: greedy(m)), ("temperature", temp_only),
                            ("sampled", sampled)):
@@ -166,6 +172,9 @@ def main() -> None:
             s.result[f"step_ms_b64_{name}"] = round(r.step_s * 1e3, 2)
 
     with rec.section("long_ctx", 90) as s:
+        # The ceiling is the best copy rate seen: one measurement can catch the clocks low.
+        bw = max(bw, copy_bandwidth()) if dev == "cuda" else bw
+        s.result["copy_bw"] = bw
         for n, length in long_ctx:
             r = decode_round(llm, random_prompts(n, length, 11, vocab),
                              lambda i, m: greedy(m), steps=16 if not quick else 4)
@@ -345,7 +354,9 @@ async def agent_trace(url: str, adapters: list[str], sessions: int, turns: int, 
                         "messages": [{"role": "user", "content": tool_result(rng, 14)}]}
                 if k % 2:  # an agent offers its tools on every turn, as frameworks do
                     body |= {"tools": TOOLS, "tool_choice": "auto"}
-                if turn % 4 == 3:
+                if turn % 4 == 3:  # an answer in a schema: the tools stay offered, unused
+                    if "tools" in body:
+                        body["tool_choice"] = "none"
                     body["response_format"] = {"type": "json_schema", "json_schema": {
                         "name": "triage", "schema": SCHEMA}}
                 rec = await stream(client, "/v1/chat/completions", body)
