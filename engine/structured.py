@@ -9,12 +9,15 @@ applied to those rows only.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from engine.request import Request
+from grammar.backend import BackendError
 from grammar.spec import GrammarError
 from grammar.validate import check_output
 from kernels.bitmask import apply_token_bitmask_inplace
@@ -26,22 +29,33 @@ class GrammarStage:
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compiler: Any = None  # started on first use: its worker costs a subprocess
+        self._starting = threading.Lock()
+        self._starter = ThreadPoolExecutor(1, thread_name_prefix="grammar-start")
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
         self.jump_forward_tokens = 0  # tokens appended without sampling (metrics)
 
     @property
     def compiler(self):
-        if self._compiler is None:
-            from grammar.compiler import GrammarCompiler
+        """The compiler, built on first use: ~1.3 s (the vocabulary and each backend's view of
+        it; llguidance's holds the GIL ~0.3 s)."""
+        with self._starting:
+            if self._compiler is None:
+                from grammar.compiler import GrammarCompiler
 
-            self._compiler = GrammarCompiler(
-                self.tokenizer, self.vocab_size, stop_token_ids=self.stop_token_ids
-            )
-        return self._compiler
+                self._compiler = GrammarCompiler(
+                    self.tokenizer, self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+            return self._compiler
 
     def compile(self, req_constraint) -> Future:
-        """Start compiling (or find in the cache); resolves or raises `GrammarError`."""
-        return self.compiler.submit(req_constraint)
+        """Start compiling (or find in the cache); resolves or raises `GrammarError`. Cheap for
+        the caller, which may be the event loop: it hashes the spec; the first call builds the
+        compiler on a helper thread."""
+        if self._compiler is not None:
+            return self._compiler.submit(req_constraint)
+        out: Future = Future()
+        self._starter.submit(_forward, lambda: self.compiler.submit(req_constraint), out)
+        return out
 
     # -- admission ------------------------------------------------------------------------
 
@@ -91,6 +105,9 @@ class GrammarStage:
                 m.fill_bitmask(bitmask, row)
             except Exception as e:  # noqa: BLE001 - fails this row's request, not the batch
                 errors[row] = f"the grammar backend failed: {type(e).__name__}: {e}"
+                continue
+            if not bitmask[row].any():  # compile-time probes make this rare; never sample it
+                errors[row] = "the grammar allows no next token: the output cannot be completed"
         return bitmask, rows, errors
 
     @staticmethod
@@ -107,9 +124,13 @@ class GrammarStage:
 
     @staticmethod
     def accept(req: Request, token: int) -> str | None:
-        """Advance the matcher; an error message if the grammar refuses the token."""
-        if req.matcher is None or req.matcher.accept(token):
-            return None
+        """Advance the matcher; an error message if the grammar refuses the token (the mask
+        allowed it: a backend defect) or the backend fails on it (a resource limit)."""
+        try:
+            if req.matcher is None or req.matcher.accept(token):
+                return None
+        except BackendError as e:
+            return f"the grammar backend failed on sampled token {token}: {e}"
         return f"the grammar refused sampled token {token}"
 
     def jump_forward(self, req: Request, limit: int) -> list[int]:
@@ -153,6 +174,26 @@ class GrammarStage:
         return None if why is None else f"the constrained output is invalid: {why}"
 
     def close(self) -> None:
+        self._starter.shutdown(wait=True)  # a compiler it is building is then closed below
         self._filler.shutdown(wait=False)
         if self._compiler is not None:
             self._compiler.close()
+
+
+def _forward(submit: Callable[[], Future], out: Future) -> None:
+    """Resolve `out` as the future that `submit()` returns resolves."""
+    try:
+        inner = submit()
+    except BaseException as e:  # noqa: BLE001 - the caller sees it through `out`
+        out.set_exception(e)
+        return
+
+    def done(f: Future) -> None:
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(f.result())
+
+    inner.add_done_callback(done)

@@ -21,6 +21,10 @@ class BackendError(Exception):
     """A backend cannot compile a spec (unsupported feature, syntax error...)."""
 
 
+class Unsatisfiable(BackendError):
+    """No output satisfies the spec: no other backend is tried."""
+
+
 class Matcher(ABC):
     """Per-request grammar state. Not thread-safe; one per request."""
 
@@ -32,11 +36,16 @@ class Matcher(ABC):
             bitmask: [batch, ceil(vocab_size / 32)] int32 on CPU; bit `i % 32` of word
                 `i // 32` is set iff token `i` is allowed (xgrammar's layout).
             row: the row of `bitmask` to fill; other rows are untouched.
+
+        Every token allowed here is one `accept` takes; a row with no bit set means the output
+        cannot go on. Raises BackendError when the backend fails (e.g. a resource limit).
         """
 
     @abstractmethod
     def accept(self, token_id: int) -> bool:
-        """Advance by one token; False (state unchanged) if the grammar forbids it."""
+        """Advance by one token; False (state unchanged) if the grammar forbids it. Raises
+        BackendError when the backend fails on it (a resource limit); the matcher is then
+        unusable."""
 
     @abstractmethod
     def rollback(self, n: int) -> None:
@@ -71,6 +80,7 @@ class CompiledGrammar:
     backend: str  # the backend that compiled it
     compile_ms: float  # failed attempts, compiling and loading: the wait for a matcher
     _factory: Callable[[], Matcher]
+    nbytes: int = 0  # estimated memory held in this process (the compile cache's budget)
 
     def matcher(self) -> Matcher:
         """A fresh matcher at the grammar's start state."""
@@ -81,6 +91,9 @@ class Backend(ABC):
     """One grammar library, bound to one vocabulary."""
 
     name: str
+    # Memory a loaded grammar holds per byte of its pickled artifact: an estimate, measured on
+    # large schemas, for the compile cache's byte budget.
+    bytes_per_artifact_byte: float = 1.0
 
     @abstractmethod
     def __init__(self, vocab: TokenVocab): ...

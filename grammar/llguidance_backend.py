@@ -16,19 +16,20 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from grammar.backend import Backend, BackendError, Matcher, bitmask_row
 from grammar.rewrite import ascii_digits, rewrite_schema
-from grammar.spec import ConstraintSpec
+from grammar.spec import JSON_MAX_WHITESPACE, ConstraintSpec
 from grammar.tools import tool_calls_lark
 from grammar.vocab import TokenVocab
 
 # llguidance's own `lenient` option ignores unimplemented keywords, but was measured to reject
 # valid instances of such schemas; the relaxed mode drops them itself instead. `coerce_one_of`
 # reads oneOf as anyOf: exact whenever the branches are disjoint (the usual case: tagged unions,
-# distinct types); `check_output` catches the rest.
-JSON_OPTIONS: llg.JsonCompileOptions = {"coerce_one_of": True, "lenient": False}
-# Tool-call arguments: at most one space between tokens (as xgrammar's max_whitespace_cnt=1).
-# A small model given free whitespace can pad a call until max_tokens; one given a fixed
-# spacing gets forced, non-canonical tokens (`:` then ` ` then `"`) and derails.
-CALL_JSON = {**JSON_OPTIONS, "whitespace_pattern": "[ ]"}
+# distinct types); `check_output` catches the rest. The whitespace pattern is an optional
+# lexeme between any two JSON tokens: here up to JSON_MAX_WHITESPACE spaces.
+JSON_OPTIONS: llg.JsonCompileOptions = {
+    "coerce_one_of": True,
+    "lenient": False,
+    "whitespace_pattern": f"[ ]{{1,{JSON_MAX_WHITESPACE}}}",
+}
 SCHEMA_KINDS = ("json_object", "json_schema", "tool_calls")  # rewritten and retried
 MAX_RETRIES = 8  # rewrites of one schema (unknown formats, relaxed keywords)
 # Keywords that only ever rule instances out: without them a schema allows a superset.
@@ -91,7 +92,13 @@ def make_lltokenizer(vocab: TokenVocab) -> llg.LLTokenizer:
 
 class LLGuidanceMatcher(Matcher):
     """llguidance's matcher enters a sticky error state on a forbidden token, so `accept`
-    checks first; the stop token is tracked here so that `rollback` can undo it."""
+    checks first; the stop token is tracked here so that `rollback` can undo it.
+
+    Two places where llguidance's mask and its matcher disagree, made to agree here: in an error
+    state (e.g. a grammar with no way to go on) its mask allows only EOS, which it does not
+    accept; and it applies its resource limits (lexer size, items per parser row) when a token
+    is consumed, not when the mask is computed, so a token the mask allowed can still fail.
+    """
 
     def __init__(self, m: llg.LLMatcher, stop_token_ids: tuple[int, ...]):
         self._m = m
@@ -102,10 +109,16 @@ class LLGuidanceMatcher(Matcher):
         r = bitmask_row(bitmask, row)  # (W,)
         if self._terminated:
             r.zero_()
-        else:
-            self._m.unsafe_compute_mask_ptr(r.data_ptr(), r.numel() * r.element_size())
+            return
+        self._m.unsafe_compute_mask_ptr(r.data_ptr(), r.numel() * r.element_size())
+        if self._m.is_error():  # its mask then allows only EOS, which `accept` refuses
+            r.zero_()
+            why = _first_line(self._m.get_error())
+            if not why.startswith("NoExtension"):  # a dead end: an empty mask says it all
+                raise BackendError(why)
 
     def accept(self, token_id: int) -> bool:
+        """Raises BackendError when llguidance fails on a token it validated (a limit)."""
         if self._terminated:
             return False
         if token_id in self._stops:
@@ -115,7 +128,9 @@ class LLGuidanceMatcher(Matcher):
             return True
         if self._m.validate_tokens([token_id]) != 1:
             return False
-        return self._m.consume_token(token_id)
+        if not self._m.consume_token(token_id):
+            raise BackendError(_first_line(self._m.get_error()))
+        return True
 
     def rollback(self, n: int) -> None:
         if n and self._terminated:
@@ -137,6 +152,10 @@ class LLGuidanceBackend(Backend):
     """Strict: a schema with a keyword llguidance does not implement is refused. Relaxed: such
     keywords are dropped when they only ever rule instances out (RESTRICTING), so the mask
     allows a superset of the schema's instances; `check_output` narrows it back."""
+
+    # The artifact is grammar text; the lexer and parser built from it took 60 to 280 times
+    # its size on large schemas.
+    bytes_per_artifact_byte = 128.0
 
     def __init__(self, vocab: TokenVocab, *, relaxed: bool = False):
         self._vocab = vocab
@@ -194,7 +213,7 @@ def to_llguidance(spec: ConstraintSpec, rewrite: Callable[[Any], Any] = lambda s
                 json.dumps(schema), overrides=JSON_OPTIONS
             )
         if spec.kind == "tool_calls":
-            return llg.LLMatcher.grammar_from_lark(tool_calls_lark(spec, rewrite, CALL_JSON))
+            return llg.LLMatcher.grammar_from_lark(tool_calls_lark(spec, rewrite, JSON_OPTIONS))
         if spec.kind == "regex":
             assert isinstance(spec.payload, str)
             return llg.LLMatcher.grammar_from_regex(ascii_digits(spec.payload))

@@ -12,10 +12,11 @@ from outlines_core.json_schema import build_regex_from_schema
 
 from grammar.backend import Backend, BackendError, Matcher, bitmask_row
 from grammar.rewrite import ascii_digits
-from grammar.spec import ConstraintSpec
+from grammar.spec import JSON_MAX_WHITESPACE, ConstraintSpec
 from grammar.vocab import TokenVocab
 
 MAX_ROLLBACK = 64
+WHITESPACE = f"[ ]{{0,{JSON_MAX_WHITESPACE}}}"  # between JSON tokens (default: any run)
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
 
@@ -98,7 +99,7 @@ def to_regex(spec: ConstraintSpec) -> str:
         schema = spec.schema()
         schema = {} if schema is True else schema
         try:
-            return ascii_digits(build_regex_from_schema(json.dumps(schema)))
+            return ascii_digits(build_regex_from_schema(json.dumps(schema), WHITESPACE))
         except ValueError as e:
             raise BackendError(str(e).splitlines()[0]) from e
     if spec.kind == "regex":

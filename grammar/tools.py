@@ -14,6 +14,7 @@ model's chat template teaches (grammar/tool_parser.py):
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,13 @@ from typing import Any, Literal
 
 import jsonschema
 
-from grammar.spec import MAX_SPEC_BYTES, ConstraintSpec, GrammarError, check_json_schema
+from grammar.spec import (
+    JSON_MAX_WHITESPACE,
+    MAX_SPEC_BYTES,
+    ConstraintSpec,
+    GrammarError,
+    check_json_schema,
+)
 from grammar.tool_parser import (
     FORMATS,
     HERMES,
@@ -33,7 +40,9 @@ from grammar.tool_parser import (
 )
 
 Mode = Literal["none", "auto", "required"]
-MAX_WHITESPACE = 1  # consecutive whitespace in arguments: keeps a small model terse
+# A function declared without `parameters` takes none: its arguments are `{}`. (An open object
+# let a model under tool_choice "required" write one endless key.)
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,7 @@ def structural_tag(spec: ConstraintSpec) -> dict[str, Any]:
             "type": "tag",
             "begin": f"{fmt.head}{t['name']}{fmt.args_head}",
             "content": {"type": "json_schema", "json_schema": t["parameters"],
-                        "max_whitespace_cnt": MAX_WHITESPACE},
+                        "max_whitespace_cnt": JSON_MAX_WHITESPACE},
             "end": fmt.end,
         }
         for t in payload["tools"]
@@ -233,7 +242,7 @@ def _tool(t: Any, p: str) -> Tool:
     if desc is not None and not isinstance(desc, str):
         q = f"{p}.function.description"
         raise GrammarError(f"{q} must be a string", q)
-    params = fn.get("parameters", {"type": "object", "properties": {}})
+    params = fn["parameters"] if "parameters" in fn else copy.deepcopy(NO_PARAMETERS)
     q = f"{p}.function.parameters"
     if not isinstance(params, dict):
         raise GrammarError(f"{q} must be a JSON schema object", q)

@@ -7,11 +7,18 @@ BackendError, and the next compile starts a fresh child.
 
 The child is a plain `python -m grammar.worker` (not multiprocessing's spawn, which re-imports
 the user's `__main__`), talking pickles over a socketpair.
+
+The child also loads what it compiled and probes its first steps (grammar/probe.py), so that a
+grammar that cannot start, or that fails on its own mask, is refused here; and it refuses an
+artifact over its byte cap (MAX_ARTIFACT_BYTES by default), since unpickling one in the
+engine's process holds the GIL (~2.5 ms per MB for outlines' index) and loading it peaks at
+several times its size.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import resource
 import signal
 import socket
@@ -21,13 +28,23 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from grammar.backend import BACKEND_NAMES, Backend, BackendError, make_backend
+from grammar.backend import BACKEND_NAMES, Backend, BackendError, Unsatisfiable, make_backend
+from grammar.probe import probe
 from grammar.spec import ConstraintSpec
 from grammar.vocab import TokenVocab
 
 START_TIMEOUT_S = 120.0  # importing torch + xgrammar in a fresh child, on a busy machine
+MAX_ARTIFACT_BYTES = 32 << 20  # a pickled compiled grammar, as the engine's process gets it
+
+
+class Shipped(NamedTuple):
+    """A compiled grammar as it left the worker."""
+
+    artifact: Any  # the backend's artifact, for `Backend.load`
+    nbytes: int  # its pickled size
+    compile_ms: float  # compiling, loading and probing it in the worker
 
 
 class CompileWorker:
@@ -38,10 +55,12 @@ class CompileWorker:
         vocab: TokenVocab,
         memory_limit_mb: int | None,
         backends: Sequence[str] = BACKEND_NAMES,
+        max_artifact_bytes: int = MAX_ARTIFACT_BYTES,
     ):
         self._vocab = vocab
         self._backends = tuple(backends)
         self._memory_limit_mb = memory_limit_mb
+        self._max_artifact_bytes = max_artifact_bytes
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._ready = False
@@ -65,11 +84,12 @@ class CompileWorker:
         theirs.close()
         self._conn, self._ready = Connection(ours.detach()), False
 
-    def compile(self, backend: str, spec: ConstraintSpec, timeout_s: float) -> tuple[Any, float]:
-        """Compile `spec` with `backend` in the child; return (artifact, compile_ms).
+    def compile(self, backend: str, spec: ConstraintSpec, timeout_s: float) -> Shipped:
+        """Compile `spec` with `backend` in the child.
 
-        Raises BackendError on a compile error, after `timeout_s` of wall time, or when the
-        child dies (e.g. over its memory cap); the child is then replaced on next use.
+        Raises Unsatisfiable when no output satisfies `spec`; BackendError on a compile error,
+        an artifact over the byte cap, after `timeout_s` of wall time, or when the child
+        dies (e.g. over its memory cap); the child is then replaced on next use.
         """
         self._ensure_ready()
         assert self._conn is not None
@@ -86,9 +106,11 @@ class CompileWorker:
         status, value, ms = self._receive()
         if status == "oom":
             self.stop()
+        if status == "unsatisfiable":
+            raise Unsatisfiable(value)
         if status != "ok":
             raise BackendError(value)
-        return value, ms
+        return Shipped(pickle.loads(value), len(value), ms)  # holds the GIL: bounded by the cap
 
     def _ensure_ready(self) -> None:
         # An idle child never writes, so readable-while-idle means it closed (died).
@@ -100,7 +122,8 @@ class CompileWorker:
             self._wait_for("hello")
             assert self._conn is not None
             try:
-                self._conn.send((self._vocab, self._backends))  # the child is reading: no block
+                # The child is reading: no block.
+                self._conn.send((self._vocab, self._backends, self._max_artifact_bytes))
             except OSError:
                 self.stop()
                 raise BackendError("the compile worker died while starting") from None
@@ -142,10 +165,10 @@ class CompileWorker:
 
 def serve(conn: Connection, memory_limit_mb: int) -> None:
     """The child: serve (backend, spec) requests on `conn` until the parent closes it. The
-    parent first sends the vocabulary and the backends to build."""
+    parent first sends the vocabulary, the backends to build and the artifact byte cap."""
     conn.send(("hello", None, 0.0))
     vocab: TokenVocab
-    vocab, names = conn.recv()
+    vocab, names, max_artifact_bytes = conn.recv()
     missing: dict[str, str] = {}
     backends: dict[str, Backend] = {}
     for name in names:
@@ -168,14 +191,31 @@ def serve(conn: Connection, memory_limit_mb: int) -> None:
             continue
         t0 = time.perf_counter()
         try:
-            artifact = backends[name].compile(spec)
-            conn.send(("ok", artifact, (time.perf_counter() - t0) * 1e3))
+            blob = _compile_and_probe(backends[name], spec, vocab, max_artifact_bytes)
+            conn.send(("ok", blob, (time.perf_counter() - t0) * 1e3))
+        except Unsatisfiable as e:
+            conn.send(("unsatisfiable", str(e), 0.0))
         except Exception as e:  # a backend's own errors have many types
             message = str(e).splitlines()[0] if str(e) else type(e).__name__
             if isinstance(e, MemoryError) or "bad_alloc" in message:
                 conn.send(("oom", f"compilation went over the {memory_limit_mb} MiB cap", 0.0))
                 return  # the heap may be in a bad state; the parent starts a fresh child
             conn.send(("error", message, 0.0))
+
+
+def _compile_and_probe(
+    backend: Backend, spec: ConstraintSpec, vocab: TokenVocab, max_bytes: int
+) -> bytes:
+    """The pickled artifact of `spec`, once it is at most `max_bytes` and a matcher from it
+    passed `probe`."""
+    artifact = backend.compile(spec)
+    blob = pickle.dumps(artifact, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(blob) > max_bytes:
+        raise BackendError(
+            f"the compiled grammar is {len(blob):,} bytes, over the {max_bytes:,} byte limit"
+        )
+    probe(backend.load(artifact)(), vocab)
+    return blob
 
 
 def _address_space_bytes() -> int:

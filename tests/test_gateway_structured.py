@@ -63,6 +63,11 @@ def test_vllm_structured_outputs_choice(client: OpenAI, gateway_server: GatewayS
         ({"type": "regex"}, "regex"),
         ({"type": "grammar", "grammar": "root ::= ("}, "grammar"),
         ({"type": "bogus"}, "bogus"),
+        # Compile, but no output satisfies them: a 400 naming why, not a 500 mid-generation.
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}, "satisfy"),
+        ({"type": "regex", "regex": r"[^\x00-\x{10FFFF}]"}, "satisfy"),
+        ({"type": "grammar", "grammar": "root ::= a\na ::= b\nb ::= a"}, "satisfy"),
     ],
 )
 def test_bad_specs_are_400(client: OpenAI, gateway_server: GatewayServer, fmt, needle) -> None:

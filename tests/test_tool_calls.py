@@ -43,8 +43,9 @@ def test_modes_and_allowed_tools() -> None:
     named = parse_tools([ADD, NOW], {"type": "function", "function": {"name": "now"}}, True)
     assert (named.mode, named.allowed, named.parallel) == ("required", ("now",), False)
     assert parse_tools([ADD], "required", False).parallel is False
+    # A tool without parameters takes none: `{}` and nothing else.
     assert json.loads(_spec().payload)["tools"][1]["parameters"] == {
-        "type": "object", "properties": {}}
+        "type": "object", "properties": {}, "additionalProperties": False}
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,16 @@ def test_named_tool_is_called_exactly_once(client: OpenAI, server: GatewayServer
     _assert_valid(choice.message.tool_calls, {"add"})
 
 
+def test_tool_without_parameters_is_called_with_none(client: OpenAI, server: GatewayServer) -> None:
+    """No `parameters` means no arguments: `{}`, not an open object the model fills forever."""
+    now = {"type": "function", "function": {"name": "now", "description": "The current time"}}
+    choice = _chat(client, server, tools=[now], tool_choice="required").choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = [(c.function.name, json.loads(c.function.arguments))
+             for c in choice.message.tool_calls]
+    assert calls == [("now", {})]
+
+
 def test_parallel_calls_keep_only_complete_valid_ones(
     client: OpenAI, server: GatewayServer
 ) -> None:
