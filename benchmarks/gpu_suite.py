@@ -235,7 +235,7 @@ def merge(old: dict, new: dict, run: set[str]) -> dict:
         if new[key].get("status") != "skipped":
             merged[key] = new[key]
     merged["targets"] = TARGETS
-    merged.setdefault("runs", [{"date": old.get("date"), "parts": list(PARTS)}])
+    merged.setdefault("runs", [{"date": old.get("date"), "parts": ["a full run of its day"]}])
     merged["runs"].append({"date": new["date"], "parts": sorted(run)})
     return merged
 
@@ -244,6 +244,7 @@ def render(r: dict) -> str:
     lines = [f"GPU suite: {r['device']}, {r['model']}, torch {r['torch']}, triton "
              f"{r['triton']}, transformers {r['transformers']}, {r['date']}, "
              f"{r['suite_seconds']} s{' (quick)' if r['quick'] else ''}",
+             *(f"Merged run {run['date']}: {', '.join(run['parts'])}" for run in r.get("runs", [])),
              f"GPU tests: {r['gpu_tests'].get('status')} ({r['gpu_tests'].get('summary', '')})",
              _serve_line(r.get("serve_smoke", {})),
              "", "| figure | value | target | note |", "|---|---|---|---|"]
