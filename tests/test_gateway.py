@@ -82,7 +82,8 @@ def test_plain_and_streamed_agree_at_temperature_zero(server: GatewayServer) -> 
     assert chunks[0].choices[0].delta.role == "assistant"
     assert usage.completion_tokens == plain.usage.completion_tokens
     assert usage.prompt_tokens == plain.usage.prompt_tokens
-    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    # The two chats race: the one admitted second may reuse the first one's prompt pages.
+    assert 0 <= plain.usage.prompt_tokens_details.cached_tokens < plain.usage.prompt_tokens
     assert plain_text.choices[0].text == stext and stext
     assert plain_text.choices[0].finish_reason == sfinish
 
