@@ -58,7 +58,7 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.cli", "serve", "--port", "0", *flags],
+                [sys.executable, "-m", "gateway.main", "serve", "--port", "0", *flags],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 300
         while not (m := re.search(r"serving \S+ at (http://\S+)", self.log.read_text())):

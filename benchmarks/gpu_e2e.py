@@ -241,7 +241,7 @@ class Server:
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--log-level",
+                [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--log-level",
                  "warning", *self.flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
         deadline = time.monotonic() + 180

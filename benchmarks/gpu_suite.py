@@ -133,7 +133,7 @@ def serve_smoke(model: str, limit: float) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--device", "cuda",
+    cmd = [sys.executable, "-m", "gateway.main", "serve", "--model", model, "--device", "cuda",
            "--dtype", "bfloat16", "--kv-cache-gb", "4", "--port", str(port),
            "--log-level", "info"]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)

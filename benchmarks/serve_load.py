@@ -164,7 +164,7 @@ def start_server(threads: int, flags: list[str]) -> tuple[subprocess.Popen, str]
     log = Path(tempfile.mkstemp(suffix=".log")[1])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.main", "serve", "--port", "0",
                                  *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
     while not (m := re.search(r"serving \S+ at (http://\S+)", log.read_text())):

@@ -5,9 +5,9 @@ creates later (adapters, sessions).
 Keys are held as SHA-256 digests, so the lookup is a dict lookup on a digest (nothing to time)
 and Redis never stores a usable key. With `--redis-url` the table is shared (`SharedKeys`):
 
-    switchboard:auth:keys     hash sha256(key) -> tenant          (no TTL)
-    switchboard:auth:tenants  hash tenant -> JSON `TenantLimits`  (no TTL)
-    switchboard:auth:admins   set sha256(key) of admin keys       (no TTL)
+    AUTH_KEYS     hash sha256(key) -> tenant          (no TTL; names in gateway/redis_store.py)
+    AUTH_TENANTS  hash tenant -> JSON `TenantLimits`
+    AUTH_ADMINS   set sha256(key) of admin keys
 
 Admin keys (`"admin": true` in the keys file) may read `/metrics`, whose labels name every
 tenant; with auth on, other keys get a 403 there (unless `--public-metrics`).
@@ -29,12 +29,10 @@ from typing import Any
 
 from gateway.config import DEFAULT_TENANT, TenantLimits
 from gateway.errors import APIError, forbidden, unauthorized
+from gateway.redis_store import AUTH_ADMINS, AUTH_KEYS, AUTH_TENANTS
 
 log = logging.getLogger(__name__)
 
-KEYS = "switchboard:auth:keys"
-TENANTS = "switchboard:auth:tenants"
-ADMINS = "switchboard:auth:admins"
 REFRESH_S = 2.0
 
 
@@ -135,19 +133,19 @@ class SharedKeys:
         self, keys: dict[str, str], limits: dict[str, TenantLimits], admins: Collection[str] = ()
     ) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(KEYS, TENANTS, ADMINS)
-        pipe.hset(KEYS, mapping={digest(k): t for k, t in keys.items()})
+        pipe.delete(AUTH_KEYS, AUTH_TENANTS, AUTH_ADMINS)
+        pipe.hset(AUTH_KEYS, mapping={digest(k): t for k, t in keys.items()})
         if limits:
-            pipe.hset(TENANTS, mapping={t: lim.model_dump_json() for t, lim in limits.items()})
+            pipe.hset(AUTH_TENANTS, mapping={t: lim.model_dump_json() for t, lim in limits.items()})
         if admins:
-            pipe.sadd(ADMINS, *(digest(k) for k in admins))
+            pipe.sadd(AUTH_ADMINS, *(digest(k) for k in admins))
         await pipe.execute()
 
     async def refresh(self) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(KEYS)
-        pipe.hgetall(TENANTS)
-        pipe.smembers(ADMINS)
+        pipe.hgetall(AUTH_KEYS)
+        pipe.hgetall(AUTH_TENANTS)
+        pipe.smembers(AUTH_ADMINS)
         tenants, limits, admins = await pipe.execute()
         self.auth.replace(tenants, {t: TenantLimits.model_validate_json(v)
                                     for t, v in limits.items()}, set(admins))

@@ -1,6 +1,7 @@
 """This replica's part in a scale-out deployment (`--redis-url`): the API keys, rate limits
 and adapter registry it shares with the other replicas, and the heartbeat that registers it
-with routers (router/registry.py). Sessions are shared through sessions/store.py.
+with routers (gateway/registry.py). Sessions are shared through gateway/session_store.py; the
+keys and the clients are gateway/redis_store.py's.
 
 The heartbeat runs from start-up, so the record exists while the process lives (the shared
 concurrency limit counts a replica's requests only while it does); it says `ready` once the
@@ -16,11 +17,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gateway import redis_store, registry
+from gateway.adapter_store import SharedAdapterStore
 from gateway.auth import SharedKeys
 from gateway.limits import SharedLimiter
+from gateway.session_store import RedisStore
 from gateway.shared_adapters import SharedAdapters
-from lora.shared_store import SharedAdapterStore
-from router import registry
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -30,20 +32,19 @@ log = logging.getLogger(__name__)
 
 class Cluster:
     def __init__(self, rt: Runtime, url: str):
-        import redis.asyncio as aioredis  # only replicas given --redis-url need the package
-
         cfg = rt.config
         self.rt = rt
-        self.redis = aioredis.Redis.from_url(url, decode_responses=True,
-                                             socket_connect_timeout=2, socket_timeout=5)
+        self.clients = redis_store.connect_replica(url)
+        self.redis = self.clients.text
         self.info = registry.ReplicaInfo(model=cfg.model_name)
         self.advertise_url = cfg.advertise_url
         publish = ((cfg.api_keys, cfg.tenants, cfg.admin_keys) if cfg.api_keys is not None
                    else None)
         self.keys = SharedKeys(self.redis, rt.auth, publish)
         self.limiter = SharedLimiter(self.redis, self.info.id, rt.auth.limits_for)
-        self.adapter_store = SharedAdapterStore(url)
-        self.adapters = SharedAdapters(self.adapter_store, lambda: rt.engine.adapters)
+        self.adapters = SharedAdapters(SharedAdapterStore(self.clients.files),
+                                       lambda: rt.engine.adapters)
+        self.sessions = RedisStore(self.redis)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -66,8 +67,7 @@ class Cluster:
             await registry.withdraw(self.redis, self.id)
         except Exception as e:  # noqa: BLE001 - unreachable: the record expires by itself
             log.warning("could not withdraw replica %s: %s", self.id, e)
-        await self.redis.aclose()
-        await self.adapter_store.close()
+        await self.clients.close()
 
     async def _heartbeat(self) -> None:
         while True:

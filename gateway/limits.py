@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from gateway.config import TenantLimits
 from gateway.errors import bad_request, rate_limited
-from router.registry import REPLICA
+from gateway.redis_store import REPLICA, limit_keys
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +141,10 @@ def _too_many(tenant: str, active: int, limit: int) -> Exception:
 
 # -- shared by all replicas (Redis) -------------------------------------------------------------
 
-# Keys: switchboard:limit:{tenant}:bucket   hash {level, ts}: tokens_per_minute as a token
+# Keys (redis_store.limit_keys): bucket    hash {level, ts}: tokens_per_minute as a token
 #                                            bucket (capacity = the limit, refilled at limit/60
 #                                            per s; it may go negative: debt). TTL: until full.
-#       switchboard:limit:{tenant}:inflight hash replica id -> requests in flight there; fields
+#                                 inflight hash replica id -> requests in flight there; fields
 #                                            of replicas whose heartbeat expired are dropped.
 # Redis' clock (TIME) is the only clock, so replicas' clocks may disagree.
 _REFILL = """
@@ -215,7 +215,7 @@ class SharedLimiter:
             return await self.local.admit(tenant)
         try:
             verdict, number, seconds = await self._admit(
-                keys=self._keys(tenant),
+                keys=limit_keys(tenant),
                 args=[*_bucket(lim), lim.max_concurrent_requests or 0, self.replica_id, REPLICA])
         except Exception as e:  # noqa: BLE001 - Redis down: limits per replica meanwhile
             log.warning("shared rate limits unavailable (%s); limiting this replica alone", e)
@@ -232,7 +232,7 @@ class SharedLimiter:
     async def settle(self, tenant: str, tokens: int, release: bool) -> None:
         lim = self.limits_for(tenant)
         try:
-            await self._settle(keys=self._keys(tenant), args=[
+            await self._settle(keys=limit_keys(tenant), args=[
                 *_bucket(lim), tokens, self.replica_id, "1" if release else "0"])
         except Exception as e:  # noqa: BLE001 - lost accounting errs on the tenant's side
             log.warning("could not record tenant %s's usage in Redis: %s", tenant, e)
@@ -247,9 +247,6 @@ class SharedLimiter:
         """Wait for the usage still being written (at shutdown)."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
-
-    def _keys(self, tenant: str) -> list[str]:
-        return [f"switchboard:limit:{tenant}:bucket", f"switchboard:limit:{tenant}:inflight"]
 
 
 def _bucket(lim: TenantLimits) -> tuple[int, float]:

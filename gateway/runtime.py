@@ -17,9 +17,9 @@ from gateway.errors import APIError, not_ready
 from gateway.limits import Seats, SharedLimiter, TenantLimiter
 from gateway.metrics import Metrics
 from gateway.params import EngineFacts
+from gateway.session_store import MemoryStore, SessionStore
 from gateway.shared_adapters import SharedAdapters
 from gateway.tokenizer import GatewayTokenizer
-from sessions.store import MemoryStore, RedisStore, SessionStore
 
 if TYPE_CHECKING:
     from gateway.cluster import Cluster
@@ -50,9 +50,7 @@ class Runtime:
         self.shared_adapters: SharedAdapters | None = (
             self.cluster.adapters if self.cluster else None)
         self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth)
-        self.sessions: SessionStore = (
-            RedisStore(config.redis_url) if config.redis_url else MemoryStore()
-        )
+        self.sessions: SessionStore = self.cluster.sessions if self.cluster else MemoryStore()
         self.tokenizer: GatewayTokenizer | None = None
         self.facts: EngineFacts | None = None
         self.load_error: BaseException | None = None

@@ -18,8 +18,8 @@ from gateway.body import read_body
 from gateway.errors import bad_request
 from gateway.params import resolve_adapter
 from gateway.runtime import Runtime
+from gateway.session_store import Session, StoreUnavailable
 from gateway.sessions import CreateSession, ForkSession, find_session, store_unavailable
-from sessions.store import Session, StoreUnavailable
 
 
 def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Callable[..., str]) -> None:

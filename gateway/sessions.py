@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.errors import APIError, bad_request, clip
 from gateway.params import chat_messages
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.session_store import Message, Session, SessionStore, StoreUnavailable
 from gateway.sse import DONE, event
-from sessions.store import Message, Session, SessionStore, StoreUnavailable
 
 if TYPE_CHECKING:
     from gateway.generation import Generation

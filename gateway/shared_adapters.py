@@ -1,4 +1,4 @@
-"""Adapters across replicas (`--redis-url`): the shared registry (lora/shared_store.py) is the
+"""Adapters across replicas (`--redis-url`): the shared registry (gateway/adapter_store.py) is the
 truth, this replica's adapter manager a cache of validated copies.
 
 An upload is validated here (as on a single server), then registered in Redis with its
@@ -21,20 +21,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from gateway.adapter_store import SharedAdapterStore
 from gateway.errors import APIError, bad_request, clip
+from gateway.redis_store import unreachable
 from lora.quota import AdapterQuota, QuotaExceeded
-from lora.shared_store import SharedAdapterStore
 
 log = logging.getLogger(__name__)
 
-
-
-def _redis_down() -> tuple[type[Exception], ...]:
-    """Redis' "unreachable" errors, imported only once a replica uses Redis (the package is
-    optional without `--redis-url`); an `except` clause evaluates this only on an error."""
-    from redis.exceptions import ConnectionError, TimeoutError
-
-    return ConnectionError, TimeoutError
 
 
 class SharedAdapters:
@@ -70,7 +63,7 @@ class SharedAdapters:
         unknown model names creates no locks)."""
         try:
             meta = await self.store.get(tenant, name)
-        except _redis_down() as e:
+        except unreachable() as e:
             log.warning("adapter registry unreachable (%s); using local adapters", e)
             return True
         here = self.manager().get(tenant, name) is not None
@@ -170,6 +163,6 @@ async def unavailable() -> AsyncIterator[None]:
     """Redis unreachable -> 503 with Retry-After."""
     try:
         yield
-    except _redis_down() as e:
+    except unreachable() as e:
         raise APIError(503, f"The adapter registry is unavailable: {e}", "server_error",
                        code="adapter_store_unavailable", headers={"Retry-After": "1"}) from e

@@ -106,28 +106,3 @@ class Backend(ABC):
     @abstractmethod
     def load(self, artifact: Any) -> Callable[[], Matcher]:
         """Rebuild a compiled grammar from its artifact; return its matcher factory."""
-
-
-def make_backend(name: str, vocab: TokenVocab) -> Backend:
-    """The backend called `name` (one of BACKEND_NAMES)."""
-    if name == "xgrammar":
-        from grammar.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(vocab)
-    if name == "outlines":
-        from grammar.outlines_backend import OutlinesBackend
-
-        return OutlinesBackend(vocab)
-    if name in ("llguidance", "llguidance-relaxed"):
-        from grammar.llguidance_backend import LLGuidanceBackend
-
-        return LLGuidanceBackend(vocab, relaxed=name == "llguidance-relaxed")
-    raise ValueError(f"unknown grammar backend {name!r}; expected one of {BACKEND_NAMES}")
-
-
-# The default fallback order, measured on the MaskBench dev set
-# (benchmarks/results/grammar_bench_cpu.md). llguidance refuses keywords it does not implement;
-# its relaxed mode then drops those that only rule instances out, which passes more cases than
-# xgrammar (which ignores them too, and compiles schemas with optional properties in seconds);
-# outlines-core is the last resort. `grammar.validate.check_output` checks every output.
-BACKEND_NAMES = ("llguidance", "llguidance-relaxed", "xgrammar", "outlines")

@@ -45,14 +45,12 @@ def case_files(paths: list[str]) -> list[Path]:
     return out
 
 
-def load_tokenizer() -> Any:
-    """The embedded SmolLM2 tokenizer."""
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of the HF folder `path` (`switchboard grammar-bench` passes the embedded
+    SmolLM2's)."""
     from transformers import AutoTokenizer
 
-    from engine.config import default_cache_dir
-    from engine.loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None, default_cache_dir()))
+    return AutoTokenizer.from_pretrained(path)
 
 
 def run_cases(
@@ -170,14 +168,17 @@ def print_table(summary: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from grammar.backend import BACKEND_NAMES
+    from grammar.backends import BACKEND_NAMES
 
     files = case_files(args.cases)[: args.limit]
     if not files:
         print("error: no MaskBench cases found", file=sys.stderr)
         return 2
     backends = BACKEND_NAMES if args.backend == "auto" else (args.backend,)
-    tokenizer = load_tokenizer()
+    if args.tokenizer is None:
+        print("error: --tokenizer is required", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(args.tokenizer)
     results: list[CaseResult] = []
     report = open(args.report, "w", buffering=1) if args.report else None  # noqa: SIM115
     cases = run_cases(files, tokenizer, backends, args.timeout, args.memory_mb or None)
@@ -218,14 +219,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="compile limit per backend, s")
     p.add_argument("--memory-mb", type=int, default=2048, help="compile memory cap (0: none)")
     p.add_argument("--report", default=None, help="write one JSON line per case here")
-
-
-def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `grammar-bench` to a CLI's subcommands."""
-    p = subparsers.add_parser("grammar-bench", help="MaskBench conformance of grammar backends")
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+    p.add_argument("--tokenizer", default=None,
+                   help="HF folder of the tokenizer (`switchboard grammar-bench`: the embedded)")
 
 
 def main(argv: list[str] | None = None) -> int:

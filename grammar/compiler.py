@@ -24,7 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from grammar.backend import BACKEND_NAMES, Backend, CompiledGrammar, Unsatisfiable, make_backend
+from grammar.backend import Backend, CompiledGrammar, Unsatisfiable
+from grammar.backends import BACKEND_NAMES, make_backend
 from grammar.spec import ConstraintSpec, GrammarError
 from grammar.vocab import TokenVocab
 from grammar.worker import MAX_ARTIFACT_BYTES, CompileWorker

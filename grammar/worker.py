@@ -30,7 +30,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from grammar.backend import BACKEND_NAMES, Backend, BackendError, Unsatisfiable, make_backend
+from grammar.backend import Backend, BackendError, Unsatisfiable
+from grammar.backends import BACKEND_NAMES, make_backend
 from grammar.probe import probe
 from grammar.spec import ConstraintSpec
 from grammar.vocab import TokenVocab

@@ -212,7 +212,7 @@ def bgmv_expand_slices_triton(
 # rank-16 adapter per token), as fractions of the copy bandwidth, against the earlier
 # (4, 1024, 8, 1) / (256, 16, 4, 1): shrink qkv 0.75 (0.74), gate_up 0.65 (0.64), o 0.50
 # (0.42), down 0.78 (0.63); expand qkv 0.54 (0.51), gate_up 0.84 (0.77), o / down 0.50 / 0.48
-# (0.51 / 0.49). Single-kernel timings with L2 flushed (`kernels.tune`) had ranked them apart.
+# (0.51 / 0.49). Single-kernel timings with L2 flushed (`kernel_tune.py`) had ranked them apart.
 SHRINK_CONFIG = (1, 4096, 8, 2)
 EXPAND_CONFIG = (256, 16, 2, 1)
 

@@ -3,7 +3,7 @@ add), RoPE on q and k with the step's K/V written to the paged cache, SiLU-and-m
 
 Each is one Triton kernel on CUDA in place of the several torch kernels of its reference; in
 a decode step these tensors are small, so the separate launches, not the bytes, were the cost
-(measured in `kernels.tune`). The torch references are the CPU path and keep HF's rounding
+(measured in `kernel_tune.py`). The torch references are the CPU path and keep HF's rounding
 points; the kernels compute in fp32 and round once, so bf16 results may differ by one ulp.
 """
 

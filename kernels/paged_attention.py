@@ -28,7 +28,7 @@ import triton.language as tl
 # Decode: (BLOCK_N, num_warps, num_stages, waves of programs the splits aim for), for small
 # and large batches (x KV heads); prefill: (tile rows = queries x grouped heads, BLOCK_N,
 # num_warps, num_stages, waves). From the
-# H100 sweep in `kernels.tune` (8B shapes, 1k contexts): 0.82 of copy bandwidth at batch 64.
+# H100 sweep in `kernel_tune.py` (8B shapes, 1k contexts): 0.82 of copy bandwidth at batch 64.
 DECODE_CONFIG = (64, 4, 3, 4)
 DECODE_CONFIG_LARGE = (32, 4, 2, 4)  # batch x KV heads >= 256
 PREFILL_CONFIG = (64, 32, 4, 2, 2)  # + waves of programs a short chunk's splits aim for

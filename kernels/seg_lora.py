@@ -101,7 +101,7 @@ def seg_lora_torch(
 
 # Shrink (BLOCK_N, BLOCK_K, K_SPLIT, num_warps, num_stages): each program sums K_SPLIT of K.
 # Expand (BLOCK_N, num_warps): each program covers BLOCK_N output columns. From the H100 sweep
-# in `kernels.tune` (8 layers x 4 projections in one CUDA graph, batch 64): 36.8 / 44.2 / 74.2
+# in `kernel_tune.py` (8 layers x 4 projections in one CUDA graph, batch 64): 36.8 / 44.2 / 74.2
 # us a layer with 1 / 8 / 32 distinct adapters, against BGMV's 54.4 / 59.7 / 74.8.
 SHRINK_CONFIG = (64, 256, 1024, 4, 3)
 EXPAND_CONFIG = (256, 4)

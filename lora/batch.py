@@ -96,7 +96,7 @@ class LoraBatchInfo:
 # A decode graph replays segmented LoRA up to this many segments with an adapter, BGMV beyond:
 # with one-token segments both read each adapter once, and BGMV's wider grid reads faster. H100,
 # batch 64, 8 layers x 4 projections in a graph: segmented 44.2 / 74.2 / 112.5 us a layer with
-# 8 / 32 / 64 distinct adapters, BGMV 59.7 / 74.8 / 93.2 (`kernels.tune --sweep seg`).
+# 8 / 32 / 64 distinct adapters, BGMV 59.7 / 74.8 / 93.2 (`benchmarks/kernel_tune.py --sweep seg`).
 SEGMENTED_MAX_SEGMENTS = 32
 
 

@@ -112,7 +112,7 @@ def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway
     keys = tmp / "keys.json"
     keys.write_text(json.dumps(API_KEYS))
     log, store = tmp / "serve.log", tmp / "adapters"
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--api-keys", str(keys),
+    cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--api-keys", str(keys),
            "--adapter-dir", str(store), "--max-adapter-bytes", str(MAX_ADAPTER_BYTES),
            *SERVE_FLAGS]
     with log.open("w") as out:

@@ -24,10 +24,11 @@ from engine import LLM, SamplingParams
 from engine.page_allocator import PageAllocator
 from engine.request import Request
 from engine.scheduler import Scheduler
+from gateway import redis_store
+from gateway.adapter_store import SharedAdapterStore
 from lora.adapter import AdapterError, load_adapter
 from lora.manager import AdapterManager
 from lora.quota import AdapterQuota, QuotaExceeded
-from lora.shared_store import SharedAdapterStore
 from lora.slots import LoraSlots
 from tests import lora_files as lf
 from tests.conftest import ROOT, SERVE_FLAGS, THREADS, _wait_for_banner
@@ -210,7 +211,7 @@ class Server:
 def _serve(tmp: Path, *flags: str) -> Server:
     (tmp / "keys.json").write_text(json.dumps(KEYS))
     log, store = tmp / "serve.log", tmp / "adapters"
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--api-keys",
+    cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--api-keys",
            str(tmp / "keys.json"), "--adapter-dir", str(store), "--max-adapters-per-tenant", "3",
            *SERVE_FLAGS, *flags]
     with log.open("w") as out:
@@ -307,7 +308,8 @@ def test_the_shared_registry_enforces_the_quota_atomically(redis_url: str) -> No
     quota = AdapterQuota(max_adapters=3, max_bytes=10**9)
 
     async def main() -> list[str | BaseException]:
-        stores = [SharedAdapterStore(redis_url), SharedAdapterStore(redis_url)]
+        clients = [redis_store.connect(redis_url, decode=False) for _ in range(2)]
+        stores = [SharedAdapterStore(c) for c in clients]
         meta = {"created": 0, "stored_bytes": 10}
         results = await asyncio.gather(*(
             stores[i % 2].publish("quota-t", f"a{i}", {**meta, "id": f"a{i}"}, {"f": b"x"},
@@ -318,8 +320,8 @@ def test_the_shared_registry_enforces_the_quota_atomically(redis_url: str) -> No
                                                         "stored_bytes": 11}, {"f": b"x"},
                                     AdapterQuota(3, 10))
         assert await stores[0].list("quota-t2") == []
-        for s in stores:
-            await s.close()
+        for c in clients:
+            await c.aclose()
         return results
 
     results = asyncio.run(main())

@@ -69,7 +69,7 @@ class Redis:
 class Server:
     def __init__(self, folder: Path, redis_url: str):
         log = folder / "serve.log"
-        cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--redis-url",
+        cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--redis-url",
                redis_url, *FLAGS]
         with log.open("w") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,

@@ -260,8 +260,8 @@ def test_gateway_modules_do_not_import_torch() -> None:
 
 def test_serve_refuses_a_bad_config_or_model(tmp_path: Path) -> None:
     def serve(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *flags],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", *flags]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     r = serve("--max-num-seqs", "0")

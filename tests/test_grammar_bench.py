@@ -34,7 +34,7 @@ KEYS = {
 
 def bench(*args: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "grammar.bench", *args, "--json"],
+        [sys.executable, "-m", "gateway.main", "grammar-bench", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -15,7 +15,8 @@ import torch
 
 from engine import SamplingParams
 from engine.structured import GrammarStage
-from grammar.backend import BackendError, Matcher, make_backend
+from grammar.backend import BackendError, Matcher
+from grammar.backends import make_backend
 from grammar.compiler import GrammarCompiler
 from grammar.probe import allowed_tokens, probe
 from grammar.spec import (

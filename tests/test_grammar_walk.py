@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from grammar.backend import BackendError, Matcher, make_backend
+from grammar.backend import BackendError, Matcher
+from grammar.backends import make_backend
 from grammar.compiler import GrammarCompiler
 from grammar.spec import ConstraintSpec, parse_structured_outputs
 from grammar.validate import check_output

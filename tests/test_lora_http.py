@@ -49,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("lora-http")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
     store, log = tmp / "adapters", tmp / "serve.log"
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--api-keys",
+    cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--api-keys",
            str(tmp / "keys.json"), "--adapter-dir", str(store), "--max-loras", "2",
            "--max-cpu-loras", "2", "--max-lora-rank", "16", "--max-adapter-bytes", str(LIMIT),
            "--kv-pages", "128", "--max-num-seqs", "8", "--log-level", "warning",

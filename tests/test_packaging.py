@@ -20,7 +20,7 @@ def test_serve_starts_and_answers_without_redis(tmp_path: Path) -> None:
     (blocked / "__init__.py").write_text("raise ImportError('redis is not installed here')\n")
     log = tmp_path / "serve.log"
     path = os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0",
+    cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0",
            "--adapter-dir", str(tmp_path / "adapters"), *SERVE_FLAGS]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,

@@ -26,12 +26,12 @@ from openai import OpenAI
 from test_lora_http import make_adapter
 from test_sessions import redis_server, redis_url  # noqa: F401 - module-scoped fixtures
 
+from gateway import registry
 from gateway.config import TenantLimits
 from gateway.errors import APIError
 from gateway.limits import SharedLimiter
-from router import registry
-from router.pool import choose, fleet_base
-from router.registry import ReplicaInfo
+from gateway.registry import ReplicaInfo
+from gateway.router.pool import choose, fleet_base
 from tests.tiny_models import save_tiny
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -61,7 +61,7 @@ class Proc:
 
 def _spawn(args: list[str], log: Path) -> Proc:
     with log.open("w") as out:
-        return Proc(subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=ROOT,
+        return Proc(subprocess.Popen([sys.executable, "-m", "gateway.main", *args], cwd=ROOT,
                                      stdout=out, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **THREADS}))
 

@@ -20,10 +20,11 @@ import pytest
 from conftest import API_KEYS, ROOT, SERVE_FLAGS, THREADS, _wait_for_banner
 from openai import OpenAI
 
+from gateway import redis_store
 from gateway.errors import APIError
 from gateway.schemas import ChatCompletionRequest
+from gateway.session_store import MemoryStore, RedisStore, Session, StoreUnavailable
 from gateway.sessions import resolve_session
-from sessions.store import MemoryStore, RedisStore, Session, StoreUnavailable
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = {"role": "system", "content": "You are a terse agent. You call tools and report "
@@ -74,7 +75,7 @@ def make_store(request: pytest.FixtureRequest):
     if request.param == "memory":
         return MemoryStore
     url = request.getfixturevalue("redis_url")
-    return lambda: RedisStore(url, prefix=f"test:{time.monotonic()}:")
+    return lambda: RedisStore(redis_store.connect(url), prefix=f"test:{time.monotonic()}:")
 
 
 def test_store_roundtrip_tenants_and_ttl(make_store) -> None:
@@ -102,7 +103,7 @@ def test_store_roundtrip_tenants_and_ttl(make_store) -> None:
 
 def test_redis_unreachable_raises_store_unavailable() -> None:
     async def main() -> None:
-        s = RedisStore(f"redis://127.0.0.1:{_free_port()}/0")
+        s = RedisStore(redis_store.connect(f"redis://127.0.0.1:{_free_port()}/0"))
         with pytest.raises(StoreUnavailable):
             await s.get("alpha", "sess_x")
         await s.close()
@@ -152,7 +153,7 @@ class Server:
 
     def start(self) -> None:
         log = self.tmp / f"serve-{time.monotonic()}.log"
-        cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--api-keys",
+        cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--api-keys",
                str(self.keys), "--redis-url", self.redis_url, *SERVE_FLAGS]
         with log.open("w") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,

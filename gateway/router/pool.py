@@ -26,8 +26,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from router import registry
-from router.registry import ReplicaInfo
+from gateway import registry
+from gateway.registry import ReplicaInfo
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,9 @@
 """The adapter registry every replica shares (`--redis-url`), with the adapters' files.
 
-Keys:
-    switchboard:adapters:{tenant}                  hash name -> JSON: the adapter object as
-                                                   uploaded, plus `version` (no TTL)
-    switchboard:adapter-files:{tenant}:{name}:{version}
-                                                   hash file name -> bytes (no TTL)
+Keys (named in gateway/redis_store.py), no TTL:
+    ADAPTERS + tenant                     hash name -> JSON: the adapter object as uploaded,
+                                          plus `version`
+    adapter_files(tenant, name, version)  hash file name -> bytes
 
 The registry is the truth: an upload is registered (and its files written) in one Lua script
 that refuses a name the tenant already has, or an adapter past the tenant's quota (count, and
@@ -13,7 +12,6 @@ replicas cannot exceed it together; a delete removes one version. Each replica's
 is its local cache of validated copies. Adapters are small (LoRA deltas, a few
 MB to a few hundred), so Redis holds them whole; `--max-adapter-bytes` bounds each.
 
-No torch here: the gateway imports it.
 """
 
 from __future__ import annotations
@@ -23,10 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from gateway.redis_store import ADAPTERS, adapter_files
 from lora.quota import AdapterQuota, QuotaExceeded
-
-REGISTRY = "switchboard:adapters:"
-FILES = "switchboard:adapter-files:"
 
 # KEYS: registry, files. ARGV: name, meta JSON, max adapters, max bytes, then file name / bytes
 # pairs. Returns {1} (registered), {0} (name taken) or {-1, count, bytes used} (over quota).
@@ -55,21 +51,19 @@ return 1
 
 
 class SharedAdapterStore:
-    def __init__(self, url: str):
-        import redis.asyncio as aioredis
-
-        # Bytes in, bytes out: adapter files are binary.
-        self.redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=30)
+    def __init__(self, redis: Any):
+        """`redis`: a bytes client (`redis_store.Clients.files`): adapter files are binary."""
+        self.redis = redis
         self._publish = self.redis.register_script(_PUBLISH)
         self._delete = self.redis.register_script(_DELETE)
 
     async def get(self, tenant: str, name: str) -> dict[str, Any] | None:
         """The adapter's registry entry (with `version`), or None."""
-        raw = await self.redis.hget(REGISTRY + tenant, name)
+        raw = await self.redis.hget(ADAPTERS + tenant, name)
         return None if raw is None else json.loads(raw)
 
     async def list(self, tenant: str) -> list[dict[str, Any]]:
-        entries = [json.loads(v) for v in (await self.redis.hgetall(REGISTRY + tenant)).values()]
+        entries = [json.loads(v) for v in (await self.redis.hgetall(ADAPTERS + tenant)).values()]
         return sorted(entries, key=lambda m: (m["created"], m["id"]))
 
     async def usage(self, tenant: str) -> tuple[int, int]:
@@ -87,7 +81,7 @@ class SharedAdapterStore:
         for filename, data in files.items():
             args += [filename, data]
         status, *usage = await self._publish(
-            keys=[REGISTRY + tenant, _files(tenant, name, version)], args=args)
+            keys=[ADAPTERS + tenant, adapter_files(tenant, name, version)], args=args)
         if status == -1:
             count, used = usage
             size = meta.get("stored_bytes", 0)
@@ -96,19 +90,12 @@ class SharedAdapterStore:
 
     async def download(self, tenant: str, name: str, version: str, dest: Path) -> None:
         """Write that version's files into the folder `dest`."""
-        files = await self.redis.hgetall(_files(tenant, name, version))
+        files = await self.redis.hgetall(adapter_files(tenant, name, version))
         if not files:
             raise FileNotFoundError(f"adapter {name!r} has no files in the shared store")
         for filename, data in files.items():
             (dest / Path(filename.decode()).name).write_bytes(data)
 
     async def delete(self, tenant: str, name: str, version: str) -> bool:
-        return bool(await self._delete(keys=[REGISTRY + tenant, _files(tenant, name, version)],
-                                       args=[name, version]))
-
-    async def close(self) -> None:
-        await self.redis.aclose()
-
-
-def _files(tenant: str, name: str, version: str) -> str:
-    return f"{FILES}{tenant}:{name}:{version}"
+        keys = [ADAPTERS + tenant, adapter_files(tenant, name, version)]
+        return bool(await self._delete(keys=keys, args=[name, version]))

@@ -1,5 +1,5 @@
 """Kernel timing sweep on a CUDA device:
-`python -m kernels.tune [--sweep decode prefill bgmv seg] [--unfused] [--out tune.json]`.
+`python benchmarks/kernel_tune.py [--sweep decode prefill bgmv seg] [--unfused] [--out tune.json]`.
 
 Measures the device-to-device copy bandwidth, then the paged-attention, BGMV and segmented
 LoRA kernels over a few configs each at Llama-3-8B shapes (bf16, 16-token pages, rank-16

@@ -1,4 +1,4 @@
-"""The router's FastAPI app: every `/v1/...` request goes to one replica (router/pool.py
+"""The router's FastAPI app: every `/v1/...` request goes to one replica (gateway/router/pool.py
 decides which), and the answer comes back with `x-switchboard-replica`.
 
 Sessions: a turn (`session_id` in a chat completion) and `/v1/sessions/{id}[/fork]` go to the
@@ -25,19 +25,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from gateway import redis_store
 from gateway.body import read_capped
 from gateway.errors import APIError, install_error_handlers
-from router import proxy
-from router.pool import ReplicaPool
-from router.registry import HEARTBEAT_S, ReplicaInfo
+from gateway.redis_store import AFFINITY
+from gateway.registry import HEARTBEAT_S, ReplicaInfo
+from gateway.router import proxy
+from gateway.router.pool import ReplicaPool
 
 log = logging.getLogger(__name__)
 
-AFFINITY = "switchboard:affinity:"
 AFFINITY_TTL_S = 24 * 3600
 SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)(/fork)?")
 TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=60.0, pool=None)
@@ -46,8 +46,7 @@ TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=60.0, pool=None)
 def create_router_app(redis_url: str, max_body_bytes: int) -> FastAPI:
     """The router over the replicas registered in `redis_url`; request bodies over
     `max_body_bytes` are refused (413)."""
-    redis = aioredis.Redis.from_url(redis_url, decode_responses=True,
-                                    socket_connect_timeout=2, socket_timeout=5)
+    redis = redis_store.connect(redis_url)
     pool = ReplicaPool(redis)
     client = httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=None))
 

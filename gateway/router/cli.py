@@ -7,7 +7,7 @@ import logging
 import signal
 import time
 
-from router.registry import HEARTBEAT_S
+from gateway.registry import HEARTBEAT_S
 
 MAX_BODY_BYTES = 2**28 + 2**20  # the replicas' default adapter upload limit, plus the form
 
@@ -26,8 +26,8 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from gateway.router.app import create_router_app
     from gateway.server import ServerThread
-    from router.app import create_router_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = create_router_app(args.redis_url, args.max_body_bytes)

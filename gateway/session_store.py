@@ -20,6 +20,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gateway.redis_store import SESSION, unreachable
+
 Message = dict[str, Any]
 
 
@@ -108,20 +110,14 @@ class MemoryStore(SessionStore):
 
 class RedisStore(SessionStore):
     """Keys: `{prefix}{id}` (hash: tenant, model, tools, ttl_seconds, created) and
-    `{prefix}{id}:messages` (list of JSON messages)."""
+    `{prefix}{id}:messages` (list of JSON messages).
 
-    def __init__(self, url: str, prefix: str = "switchboard:session:"):
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
+    `redis` is a text client from `redis_store`: it never retries, since a write whose reply
+    was lost may have been applied, and a retried RPUSH would store the turn twice. A failure
+    is a 503 and the client retries the turn. The client's owner closes it."""
 
-        # No retries: a write whose reply was lost may have been applied, and a retried RPUSH
-        # would store the turn twice. A failure is a 503 and the client retries the turn. The
-        # pool checks a connection before each use, so once Redis is back the next call
-        # reconnects by itself.
-        self._redis = aioredis.Redis.from_url(url, decode_responses=True,
-                                              socket_connect_timeout=2, socket_timeout=5,
-                                              retry=Retry(NoBackoff(), 0))
+    def __init__(self, redis: Any, prefix: str = SESSION):
+        self._redis = redis
         self.prefix = prefix
 
     async def create(self, session: Session) -> None:
@@ -171,9 +167,6 @@ class RedisStore(SessionStore):
             await self._redis.delete(key, key + ":messages")
         return True
 
-    async def close(self) -> None:
-        await self._redis.aclose()
-
     def _expire(self, pipe: Any, session: Session) -> None:
         if session.ttl_seconds is not None:
             key = self.prefix + session.id
@@ -184,9 +177,7 @@ class RedisStore(SessionStore):
 @asynccontextmanager
 async def _errors() -> AsyncIterator[None]:
     """Turns the Redis client's connection failures into `StoreUnavailable`."""
-    from redis.exceptions import ConnectionError, TimeoutError
-
     try:
         yield
-    except (ConnectionError, TimeoutError) as e:
+    except unreachable() as e:
         raise StoreUnavailable(f"the session store is unreachable: {e}") from e

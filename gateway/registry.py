@@ -1,11 +1,9 @@
 """Replica registration in Redis: every replica publishes itself with a heartbeat, routers
 read the live ones. No torch, no FastAPI: replicas and routers both import it.
 
-Keys:
-    switchboard:replica:{id}  hash (the `ReplicaInfo` fields), TTL `TTL_S`, rewritten every
-                              `HEARTBEAT_S` by the replica. An expired key is a dead replica.
-    switchboard:replicas      set of replica ids: the index routers scan (ids whose hash has
-                              expired are dropped from it by the reader).
+A replica's record (`redis_store.REPLICA` + id) holds the `ReplicaInfo` fields with a TTL of
+`TTL_S`, rewritten every `HEARTBEAT_S`: an expired record is a dead replica. The index
+(`redis_store.REPLICAS`) lists the ids; the reader drops those whose record has expired.
 
 A replica id is fresh for every process (a restarted replica is another replica: its KV is
 gone), so per-replica counters elsewhere (the shared concurrency limit) die with it.
@@ -19,8 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
-REPLICA = "switchboard:replica:"
-INDEX = "switchboard:replicas"
+from gateway.redis_store import REPLICA, REPLICAS
+
 HEARTBEAT_S = 1.0
 TTL_S = 5
 
@@ -52,7 +50,7 @@ async def publish(redis: Any, info: ReplicaInfo) -> None:
     pipe = redis.pipeline(transaction=True)
     pipe.hset(key, mapping=record)
     pipe.expire(key, TTL_S)
-    pipe.sadd(INDEX, info.id)
+    pipe.sadd(REPLICAS, info.id)
     await pipe.execute()
 
 
@@ -60,20 +58,20 @@ async def withdraw(redis: Any, replica_id: str) -> None:
     """A clean stop: routers stop sending at once instead of after the TTL."""
     pipe = redis.pipeline(transaction=True)
     pipe.delete(REPLICA + replica_id)
-    pipe.srem(INDEX, replica_id)
+    pipe.srem(REPLICAS, replica_id)
     await pipe.execute()
 
 
 async def live_replicas(redis: Any) -> list[ReplicaInfo]:
     """Every replica whose heartbeat has not expired (ready or not)."""
-    ids = sorted(await redis.smembers(INDEX))
+    ids = sorted(await redis.smembers(REPLICAS))
     pipe = redis.pipeline(transaction=False)
     for replica_id in ids:
         pipe.hgetall(REPLICA + replica_id)
     records = await pipe.execute() if ids else []
     dead = [i for i, r in zip(ids, records, strict=True) if not r]
     if dead:
-        await redis.srem(INDEX, *dead)
+        await redis.srem(REPLICAS, *dead)
     return [_parse(r) for r in records if r]
 
 

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from router.registry import ReplicaInfo
+from gateway.registry import ReplicaInfo
 
 REPLICA_HEADER = "x-switchboard-replica"
 # Per-connection headers (RFC 9110 section 7.6.1) and those the HTTP client sets itself.

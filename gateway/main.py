@@ -1,4 +1,7 @@
-"""`switchboard` command line: serve, router, generate, grammar-bench."""
+"""`switchboard` command line: serve, router, generate, grammar-bench.
+
+The entry point sits on the gateway side: it may import every layer below it.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +38,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grammar_bench(args: argparse.Namespace) -> int:
+    from engine.config import default_cache_dir
+    from engine.loader import resolve_model_dir
+    from grammar import bench
+
+    if args.tokenizer is None:
+        args.tokenizer = str(resolve_model_dir(None, default_cache_dir()))
+    return bench.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="switchboard")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,12 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
 
     from gateway.cli import add_serve_parser
-    from grammar.bench import add_bench_parser
-    from router.cli import add_router_parser
+    from gateway.router.cli import add_router_parser
+    from grammar import bench
 
     add_serve_parser(sub)
     add_router_parser(sub)
-    add_bench_parser(sub)
+    gb = sub.add_parser("grammar-bench", help="MaskBench conformance of grammar backends")
+    bench.add_arguments(gb)
+    gb.set_defaults(func=_grammar_bench)
 
     args = parser.parse_args(argv)
     return args.func(args)

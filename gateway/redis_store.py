@@ -1,0 +1,78 @@
+"""The one Redis that replicas and routers share (`--redis-url`): every key name, and the
+clients that reach it. Nothing else in the project names a key or opens a connection.
+
+Keys (all under `switchboard:`):
+
+    replica:{id}                      hash: a replica's `ReplicaInfo`, TTL (gateway/registry.py)
+    replicas                          set of replica ids: the index routers scan
+    auth:keys / auth:tenants / auth:admins
+                                      the shared API-key table (gateway/auth.py)
+    limit:{tenant}:bucket / :inflight tokens-per-minute bucket and requests in flight per
+                                      replica (gateway/limits.py)
+    adapters:{tenant}                 hash name -> adapter entry (gateway/adapter_store.py)
+    adapter-files:{tenant}:{name}:{version}
+                                      hash file name -> bytes
+    session:{id} / session:{id}:messages
+                                      a session's metadata and history (gateway/session_store.py)
+    affinity:{session_id}             the replica holding a session's KV (gateway/router/app.py)
+
+A replica holds one `Clients`: `text` for everything but adapter files, `files` for those.
+Neither retries a command: a write whose reply was lost may have been applied, and a retried
+RPUSH or HINCRBY would count twice. Callers treat `unreachable()` errors as "Redis is down".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+REPLICA = "switchboard:replica:"
+REPLICAS = "switchboard:replicas"
+AUTH_KEYS = "switchboard:auth:keys"
+AUTH_TENANTS = "switchboard:auth:tenants"
+AUTH_ADMINS = "switchboard:auth:admins"
+ADAPTERS = "switchboard:adapters:"
+SESSION = "switchboard:session:"
+AFFINITY = "switchboard:affinity:"
+
+
+def limit_keys(tenant: str) -> list[str]:
+    """The tenant's token bucket and in-flight counts (the admission script's KEYS)."""
+    return [f"switchboard:limit:{tenant}:bucket", f"switchboard:limit:{tenant}:inflight"]
+
+
+def adapter_files(tenant: str, name: str, version: str) -> str:
+    return f"switchboard:adapter-files:{tenant}:{name}:{version}"
+
+
+@dataclass
+class Clients:
+    text: Any  # redis.asyncio.Redis, strings in and out
+    files: Any  # redis.asyncio.Redis, bytes in and out, a longer timeout for adapter files
+
+    async def close(self) -> None:
+        await self.text.aclose()
+        await self.files.aclose()
+
+
+def connect(url: str, decode: bool = True, timeout_s: float = 5.0) -> Any:
+    """One client (lazily connected; the pool reconnects by itself once Redis is back)."""
+    import redis.asyncio as aioredis  # only deployments given --redis-url need the package
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return aioredis.Redis.from_url(url, decode_responses=decode, socket_connect_timeout=2,
+                                   socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+
+
+def connect_replica(url: str) -> Clients:
+    """A replica's clients. Adapters are up to a few hundred MB: their files get 30 s."""
+    return Clients(text=connect(url), files=connect(url, decode=False, timeout_s=30.0))
+
+
+def unreachable() -> tuple[type[Exception], ...]:
+    """Redis' "cannot reach the server" errors (imported only once Redis is in use; an
+    `except` clause evaluates this only on an error)."""
+    from redis.exceptions import ConnectionError, TimeoutError
+
+    return ConnectionError, TimeoutError
