@@ -289,6 +289,7 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
     from engine.config import ModelConfig
     from engine.model_runner import ModelRunner
     from engine.models.llama import LlamaForCausalLM
+    from engine.step_inputs import StepInputs
     from lora.layers import wrap_model
     from lora.slots import LoraSlots
 
@@ -306,7 +307,7 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
             torch.nn.init.normal_(stack.a, 0, 0.02)
             torch.nn.init.normal_(stack.b, 0, 0.02)
     slots.scales.fill_(1.0)
-    lora = wrap_model(model, slots, lambda req: -1)
+    lora = wrap_model(model, slots)
     weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
     results = {}
     for fused_ops in (True, False) if unfused else (True,):
@@ -326,7 +327,10 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
             for name, lora_slots in (("base", None), ("lora64", list(range(batch))[:64] * 2),
                                      ("lora8", [i % 8 for i in range(batch)])):
                 lora_slots = lora_slots[:batch] if lora_slots else None
-                t = bench(partial(runner.graphs.run, ids, pos, slots_, tables, lora_slots))
+                inputs = StepInputs(ids, pos, slots_, tables, [p + 1 for p in pos],
+                                    lora_slots or [-1] * batch, sample_rows=list(range(batch)),
+                                    num_decodes=batch)
+                t = bench(partial(runner.graphs.run, inputs))
                 row[name] = dict(ms=t * 1e3, roofline_fraction=roofline / t)
             results[f"{'fused' if fused_ops else 'torch'} b={batch}"] = row
             print(f"step 4 layers {'fused' if fused_ops else 'torch'} b={batch:3d}: base "

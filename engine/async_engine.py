@@ -17,28 +17,17 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.messages import GenerateRequest, RequestOutput
 from engine.prefix_cache import PrefixCacheStats
+from engine.protocols import AdapterRegistry, EngineStats, Sink
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from grammar.spec import ConstraintSpec
 
 log = logging.getLogger(__name__)
-
-Sink = asyncio.Queue  # asyncio.Queue[RequestOutput], filled on the event loop only
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after every loop iteration (read anywhere)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_pages_used: int = 0  # held by requests or pinned by sessions (not evictable cache)
-    kv_pages_total: int = 0
-    jump_forward_tokens: int = 0
-    prefix: PrefixCacheStats = PrefixCacheStats()
 
 
 @dataclass(frozen=True)
@@ -62,6 +51,8 @@ LOAD_STAGES = ("locating weights", "loading model", "ready")
 
 class AsyncEngine:
     """Owns an `LLMEngine` (or anything with its interface) and the thread that steps it.
+    Request handling sees it as an `engine.protocols.EngineClient`; the rest (start, loading,
+    drain, shutdown) is the gateway runtime's.
 
     Contract:
       - `start(loop)` once; the engine is built in the thread. `ready` / `load_error` tell
@@ -80,9 +71,9 @@ class AsyncEngine:
     ):
         self.config = config
         self._factory = engine_factory
-        self._engine: Any = None
+        self._engine: Any = None  # the LLMEngine (torch), built in the thread; or a fake
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # requests and commands
         self._sinks: dict[str, Sink] = {}  # event loop side: who listens for which request
         self._live: set[str] = set()  # engine thread side: requests added and not finished
         self._thread: threading.Thread | None = None
@@ -127,11 +118,11 @@ class AsyncEngine:
         return self._engine.max_model_len
 
     @property
-    def model_dir(self) -> Any:
+    def model_dir(self) -> Path:
         return self._engine.model_dir
 
     @property
-    def adapters(self) -> Any:
+    def adapters(self) -> AdapterRegistry | None:
         """The engine's LoRA adapter manager (its registry methods are thread-safe); None
         before loading or for an engine without one."""
         return getattr(self._engine, "adapters", None)
@@ -141,7 +132,7 @@ class AsyncEngine:
         immutable engine facts (vocab size, context length), so it is safe off-thread."""
         self._engine.validate(prompt_token_ids, params)
 
-    async def compile_grammar(self, spec: Any) -> None:
+    async def compile_grammar(self, spec: ConstraintSpec) -> None:
         """Compile a constraint (or find it cached) before the request is queued; raises
         `grammar.spec.GrammarError` when no backend can compile it. Thread-safe: the compiler
         has its own lock and workers."""

@@ -1,12 +1,26 @@
-"""One config object for the engine, built once and validated there."""
+"""The engine's settings, each declared once with its default, bounds and help text.
+
+`EngineConfig` is what a user sets (offline as `LLM(**kwargs)`, or through `switchboard serve`,
+whose flags and TOML keys are generated from these fields); `EngineConfig.resolve` settles the
+defaults that depend on the loaded model and the device. Nothing here imports torch: the
+gateway builds its config from this module.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticUndefined
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=None` loads
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPE_BYTES: dict[Dtype, int] = {"float32": 4, "bfloat16": 2, "float16": 2}  # KV pool sizing
 
 
 class ModelLoadError(RuntimeError):
@@ -87,55 +101,107 @@ def default_cache_dir() -> Path:
     return Path(base) / "switchboard"
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine needs, fixed at start-up.
+def setting(default: Any = PydanticUndefined, *, help: str, metavar: str | None = None,
+            **field_args: Any) -> Any:
+    """A config field: its default, bounds (`ge`, `gt`, `le`: pydantic `Field` arguments, as
+    is `alias`) and help text, in one place.
 
-    `num_pages=None` sizes the KV pool to hold `max_num_seqs` full contexts of `max_model_len`
-    (capped by `kv_cache_gb`).
+    `switchboard serve` turns each such field into the flag `--<key>` and the TOML key `<key>`,
+    where the key is the field's alias if it has one, else its name; `metavar` names the value
+    in `--help`.
+    """
+    extra: dict[str, Any] | None = {"metavar": metavar} if metavar else None
+    return Field(default, description=help, json_schema_extra=extra, **field_args)
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs, fixed at start-up and validated when built.
+
+    Settings left as None ("auto") are settled by `resolve` once the model is loaded.
     """
 
-    model: str | None = None  # None: the embedded SmolLM2; else an HF folder or a .gguf file
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    page_size: int = 16
-    num_pages: int | None = None
-    kv_cache_gb: float = 2.0
-    max_model_len: int | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode-only steps
-    # Queue each decode step's forward before postprocessing the previous one (None: on CUDA,
-    # where the host's work then hides behind the device's; on a CPU nothing runs meanwhile).
-    overlap_schedule: bool | None = None
-    threads: int | None = None  # torch CPU threads; None leaves torch's default
-    # Multi-LoRA: adapters resident in device slots (0: base model only), in host memory, the
-    # slot width (every adapter's rank must fit), and the upload store (None: no uploads).
-    max_loras: int = 4
-    max_cpu_loras: int = 16
-    max_lora_rank: int = 16
-    adapter_dir: Path | None = None
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    prefix_cache: bool = True  # keep finished KV in the radix tree and reuse shared prefixes
-    session_kv_pages: int | None = None  # per-tenant pinned-session budget; None: a quarter
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.page_size < 1:
-            raise ValueError("page_size must be >= 1")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError("num_pages must be >= 1")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError("threads must be >= 1")
-        if self.max_loras < 0 or self.max_lora_rank < 1:
-            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
+    model: str | None = setting(
+        None, metavar="PATH",
+        help="HF checkpoint folder or .gguf file (default: embedded SmolLM2)")
+    max_num_seqs: int = setting(64, ge=1, help="most sequences in the running batch")
+    max_num_batched_tokens: int = setting(512, ge=1, help="token budget per engine step")
+    page_size: int = setting(16, ge=1, help="tokens per KV page")
+    num_pages: int | None = setting(
+        None, ge=1, alias="kv_pages", help="KV cache pages (default: sized from --kv-cache-gb)")
+    kv_cache_gb: float = setting(
+        2.0, gt=0, metavar="GB", help="KV cache budget when --kv-pages is not given")
+    max_model_len: int | None = setting(
+        None, ge=1, help="context length cap (default: the model's, within the KV pool)")
+    dtype: Dtype = setting("float32", help="weights and KV cache dtype")
+    device: str = setting("cpu", metavar="DEVICE", help="cpu | cuda")
+    seed: int = setting(0, help="engine seed for unseeded sampling")
+    cuda_graphs: bool | None = setting(
+        None, help="replay captured CUDA graphs for decode-only steps (default: on CUDA)")
+    overlap_schedule: bool | None = setting(
+        None, help="queue each decode step's forward before postprocessing the previous one "
+        "(default: on CUDA, where the host's work then hides behind the device's)")
+    threads: int | None = setting(
+        None, ge=1, help="torch CPU threads (default: torch's choice, one per core)")
+    max_loras: int = setting(
+        4, ge=0, help="LoRA adapters resident in device slots (0: base model only)")
+    max_cpu_loras: int = setting(
+        16, ge=0, help="LoRA adapters cached in host memory (>= --max-loras)")
+    max_lora_rank: int = setting(
+        16, ge=1, le=512, metavar="R", help="largest adapter rank served (the slot width)")
+    # None: no upload store offline; `switchboard serve` always has one (`engine_config`).
+    adapter_dir: Path | None = setting(
+        None, metavar="DIR", help="where uploaded adapters are stored (default: <cache dir>/"
+        "adapters)")
+    cache_dir: Path = setting(
+        default_factory=default_cache_dir, metavar="DIR",
+        help="where converted GGUF and synthetic models are kept (default: "
+        "$XDG_CACHE_HOME/switchboard)")
+    prefix_cache: bool = setting(
+        True, help="keep finished KV in the radix tree and reuse shared prefixes "
+        "(--no-prefix-cache: sessions then re-prefill)")
+    session_kv_pages: int | None = setting(
+        None, ge=0, help="KV pages a tenant's sessions keep pinned between turns "
+        "(default: a quarter of the pool)")
+
+    @model_validator(mode="after")
+    def _check_loras(self) -> EngineConfig:
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")
-        if self.session_kv_pages is not None and self.session_kv_pages < 0:
-            raise ValueError("session_kv_pages must be >= 0")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        return self
+
+    def resolve(self, model: ModelConfig, device: str) -> ResolvedConfig:
+        """This config with every "auto" setting settled for `model` on `device` (a device
+        type: "cpu", "cuda"). The engine calls it once, after loading the model, and reads only
+        the settled config."""
+        num_pages = self.num_pages or self._pages_for_budget(model)
+        on_cuda = device == "cuda"
+        return ResolvedConfig(**{
+            **self.model_dump(),
+            "num_pages": num_pages,
+            "max_model_len": min(self.max_model_len or model.max_position,
+                                 num_pages * self.page_size),
+            "session_kv_pages": (num_pages // 4 if self.session_kv_pages is None
+                                 else self.session_kv_pages),
+            "cuda_graphs": on_cuda if self.cuda_graphs is None else self.cuda_graphs,
+            "overlap_schedule": on_cuda if self.overlap_schedule is None
+            else self.overlap_schedule,
+        })
+
+    def _pages_for_budget(self, model: ModelConfig) -> int:
+        """Pages whose K and V, over all layers, fit in `kv_cache_gb`."""
+        page_bytes = (2 * model.num_layers * model.num_kv_heads * model.head_dim
+                      * DTYPE_BYTES[self.dtype] * self.page_size)
+        return max(1, int(self.kv_cache_gb * 2**30) // page_bytes)
+
+
+class ResolvedConfig(EngineConfig):
+    """An `EngineConfig` after `resolve`: the settings that may be "auto" are settled (these
+    types say so; their defaults, bounds and help stay with `EngineConfig`)."""
+
+    num_pages: int
+    max_model_len: int
+    session_kv_pages: int
+    cuda_graphs: bool
+    overlap_schedule: bool

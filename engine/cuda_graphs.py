@@ -1,25 +1,31 @@
-"""CUDA graphs of the decode forward (embedding to fp32 logits), one per captured batch size.
+"""CUDA graphs of the forward (embedding to fp32 logits): decode steps, and one sequence's short
+last chunk.
 
 A decode-only step of `n` sequences replays the graph of the smallest captured size `b >= n`.
-Every input lives in a static buffer the graph was captured on; rows `n..b` are padding: token
-0 at position 0, its K/V written to the runner's spare pad page, its logits ignored. With LoRA,
-each size has two more graphs: one whose projections run `kernels.seg_lora` over a static
-segment table of fixed capacity (`segment_capacity`), refilled from the step's adapter slots
-before a replay, and one running BGMV over static per-token slots, replayed when the step's adapters
-make more segments than `lora.batch.graph_kernel` allows (then each row reads its own adapter
-anyway, and BGMV's wider grid reads faster). Graphs are keyed `(size, LoRA kernel or None)`.
+Every input lives in a static buffer the graph was captured on, filled from the step's
+`StepInputs` before a replay; rows `n..b` are padding: token 0 at position 0, its K/V written to
+the runner's spare pad page, its logits ignored. With LoRA, each size has two more graphs: one
+whose projections run `kernels.seg_lora` over a static segment table of fixed capacity
+(`segment_capacity`), refilled from the step's adapter slots before a replay, and one running
+BGMV over static per-token slots, replayed when the step's adapters make more segments than
+`lora.batch.graph_kernel` allows (then each row reads its own adapter anyway, and BGMV's wider
+grid reads faster). Graphs are keyed `(size, LoRA kernel or None)`.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.models.llama import LlamaForCausalLM
-from engine.staged_inputs import StagedInputs
+from engine.step_inputs import StepInputs
 from kernels.attention import AttentionMetadata
 from kernels.seg_lora import MAX_ROWS, segment_table
+from kernels.upload import Staging
 from lora.batch import SEGMENTED_MAX_SEGMENTS, LoraBatchInfo, graph_kernel
 from lora.layers import LoraContext
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def capture_graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -36,7 +42,7 @@ def capture_graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     return graph, out
 
 
-def _stage_segments(h: dict, slots: list[int], capacity: int) -> int:
+def _stage_segments(h: dict[str, np.ndarray], slots: list[int], capacity: int) -> int:
     """Write the segment table of rows with adapter `slots` into the staged host buffers;
     returns how many of its segments have an adapter."""
     indptr, seg_slots = segment_table(slots, capacity)
@@ -52,12 +58,37 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class _GraphSet:
-    """What the decode and extend graph sets share: capturing every size, without LoRA and
-    with each LoRA kernel of `lora_kernels`. Subclasses set `sizes`, `lora`, `seg_indptr`,
-    `seg_slots`, `token_slots`, `graphs`; they define `_forward(b)` and
-    `segment_capacity(b)`."""
+    """What the decode and extend graph sets share: static inputs staged on the host and sent
+    up in one copy per replay; capturing every size, without LoRA and with each LoRA kernel of
+    `lora_kernels`."""
 
     lora_kernels: tuple[str, ...] = ("segmented", "bgmv")
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: KVCaches,
+        page_size: int,
+        pad_page: int,
+        max_pages_per_seq: int,
+        lora: LoraContext | None,
+        sizes: list[int],
+        inputs: dict[str, tuple[torch.dtype, tuple[int, ...], int]],
+    ):
+        """`inputs`: the static inputs, name -> (dtype, shape, value before the first step)."""
+        self.model, self.kv_caches, self.lora = model, kv_caches, lora
+        self.page_size, self.pad_page = page_size, pad_page
+        self.pad_slot = pad_page * page_size
+        self.max_pages = max_pages_per_seq
+        self.sizes = sizes
+        device = model.embed_tokens.weight.device
+        self.inputs = Staging({k: (dtype, shape) for k, (dtype, shape, _) in inputs.items()},
+                              device)
+        for name, (_, _, value) in inputs.items():
+            self.inputs.host[name].fill(value)
+        self._copied = torch.cuda.Event()  # recorded after each copy out of the host buffer
+        self._send()
+        self.graphs: dict[tuple[int, str | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -72,17 +103,37 @@ class _GraphSet:
             self.lora.info = None
         torch.cuda.synchronize()
 
+    def _stage(self) -> dict[str, np.ndarray]:
+        """The host side of the static inputs, to fill for the next replay: rewritten only once
+        the last copy out of it has run, so staging never races a copy still queued."""
+        self._copied.synchronize()
+        return self.inputs.host
+
+    def _send(self, last: str | None = None, rows: int = 0) -> None:
+        """Copy the staged inputs up without waiting (`Staging.send`)."""
+        self.inputs.send(last, rows)
+        self._copied.record()
+
+    def segment_capacity(self, b: int) -> int:
+        """Segments in the segmented LoRA graph of size `b`."""
+        raise NotImplementedError
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The forward of size `b` over the static inputs, as captured."""
+        raise NotImplementedError
+
     def _set_lora(self, b: int, kernel: str | None) -> None:
         """The LoRA wrappers read `lora.info` while being captured: a kernel over the static
         LoRA inputs of size `b` (their capacity, not the step's adapters, sizes the grid)."""
         if self.lora is None:
             return
+        d = self.inputs.dev
         if kernel == "segmented":
             cap = self.segment_capacity(b)
-            self.lora.info = LoraBatchInfo.segmented(self.seg_indptr[: cap + 1],
-                                                     self.seg_slots[:cap])
+            self.lora.info = LoraBatchInfo.segmented(d["seg_indptr"][: cap + 1],
+                                                     d["seg_slots"][:cap])
         elif kernel == "bgmv":
-            self.lora.info = LoraBatchInfo.per_token(self.token_slots[:b])
+            self.lora.info = LoraBatchInfo.per_token(d["token_slots"][:b])
         else:
             self.lora.info = None
 
@@ -98,65 +149,45 @@ class DecodeGraphs(_GraphSet):
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KVCaches,
         page_size: int,
         pad_page: int,
         max_batch: int,
         max_pages_per_seq: int,
         lora: LoraContext | None,
     ):
-        self.model, self.kv_caches, self.lora = model, kv_caches, lora
-        self.page_size, self.pad_page = page_size, pad_page
-        self.sizes = capture_sizes(max_batch)
-        self.max_pages = max_pages_per_seq
-        device = model.embed_tokens.weight.device
-        b = self.sizes[-1]
-        self.pad_slot = pad_page * page_size
+        sizes = capture_sizes(max_batch)
+        b = sizes[-1]
         # The tables come last: a graph of size s needs their first s rows only.
-        self.inputs = StagedInputs([
-            ("input_ids", torch.long, (b,), 0),
-            ("positions", torch.long, (b,), 0),
-            ("slot_mapping", torch.long, (b,), self.pad_slot),
-            ("lens", torch.int32, (b,), 1),
-            ("token_slots", torch.int32, (b,), -1),
-            ("seg_indptr", torch.int32, (b + 1,), 0),
-            ("seg_slots", torch.int32, (b,), -1),
-            ("tables", torch.int32, (b, max_pages_per_seq), pad_page),
-        ], device)
-        d = self.inputs.dev
-        self.input_ids, self.positions, self.slot_mapping = (
-            d["input_ids"], d["positions"], d["slot_mapping"])
-        self.lens, self.tables, self.token_slots = d["lens"], d["tables"], d["token_slots"]
-        self.seg_indptr, self.seg_slots = d["seg_indptr"], d["seg_slots"]
+        super().__init__(model, kv_caches, page_size, pad_page, max_pages_per_seq, lora, sizes, {
+            "input_ids": (torch.long, (b,), 0),
+            "positions": (torch.long, (b,), 0),
+            "slot_mapping": (torch.long, (b,), pad_page * page_size),
+            "lens": (torch.int32, (b,), 1),
+            "token_slots": (torch.int32, (b,), -1),
+            "seg_indptr": (torch.int32, (b + 1,), 0),
+            "seg_slots": (torch.int32, (b,), -1),
+            "tables": (torch.int32, (b, max_pages_per_seq), pad_page),
+        })
         self.last_key: tuple[int, str | None] | None = None  # the graph replayed last
         self._rows: list[list[int] | None] = [None] * b  # the pages each host table row holds
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def fits(self, num_seqs: int, max_pages: int) -> bool:
-        return num_seqs <= self.sizes[-1] and max_pages <= self.max_pages
+    def fits(self, num_seqs: int, context: int) -> bool:
+        """A decode-only step of `num_seqs` sequences, the longest `context` tokens long."""
+        return num_seqs <= self.sizes[-1] and -(-context // self.page_size) <= self.max_pages
 
-    def run(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        tables: list[list[int]],
-        lora_slots: list[int] | None,
-        device_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Replay for one decode-only step of `n = len(input_ids)` sequences; `tables[i]` holds
-        sequence i's pages covering its context. `device_ids` ([n], on the device) replaces
-        `input_ids` when given. Returns fp32 logits [n, vocab] (a view of the graph's output,
-        valid until the next replay)."""
-        n = len(input_ids)
+    def run(self, inputs: StepInputs, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay for a decode-only step of `n` sequences, each sampled. `device_ids` ([n], on
+        the device) replaces `inputs.input_ids` when given. Returns fp32 logits [n, vocab] (a
+        view of the graph's output, valid until the next replay)."""
+        n = len(inputs.input_ids)
         b = next(s for s in self.sizes if s >= n)
-        h = self.inputs.stage()
-        h["input_ids"][:n] = input_ids
-        h["positions"][:n] = positions
-        h["slot_mapping"][:n] = slots
-        h["lens"][:n] = positions
-        h["lens"][:n] += 1
-        for i, pages in enumerate(tables):  # a row is rewritten only when its pages changed
+        h = self._stage()
+        h["input_ids"][:n] = inputs.input_ids
+        h["positions"][:n] = inputs.positions
+        h["slot_mapping"][:n] = inputs.slot_mapping
+        h["lens"][:n] = inputs.context_lens
+        for i, pages in enumerate(inputs.tables):  # a row is rewritten only when its pages changed
             if self._rows[i] != pages:
                 h["tables"][i, : len(pages)] = pages
                 self._rows[i] = list(pages)
@@ -168,35 +199,36 @@ class DecodeGraphs(_GraphSet):
         h["tables"][n:b, 0] = self.pad_page
         self._rows[n:b] = [None] * (b - n)
         kernel = None
-        if lora_slots is not None:  # rows n..b (padding) are in no segment and have no slot
-            kernel = graph_kernel(_stage_segments(h, lora_slots, b))
+        if self.lora is not None and any(s >= 0 for s in inputs.lora_slots):
+            # Rows n..b (padding) are in no segment and have no slot.
+            kernel = graph_kernel(_stage_segments(h, inputs.lora_slots, b))
             if kernel == "bgmv":
-                h["token_slots"][:n] = lora_slots
+                h["token_slots"][:n] = inputs.lora_slots
                 h["token_slots"][n:b] = -1
-        self.inputs.send("tables", b)
+        self._send("tables", b)
         if device_ids is not None:
-            self.input_ids[:n].copy_(device_ids)
+            self.inputs.dev["input_ids"][:n].copy_(device_ids)
         self.last_key = (b, kernel)
         graph, logits = self.graphs[self.last_key]
         graph.replay()
         return logits[:n]
 
     def _forward(self, b: int) -> torch.Tensor:
-        empty = self.lens[:0]
+        d = self.inputs.dev
+        empty = d["lens"][:0]
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b],
+            slot_mapping=d["slot_mapping"][:b],
             page_size=self.page_size,
             num_decodes=b,
-            decode_tables=self.tables[:b],
-            decode_lens=self.lens[:b],
-            prefill_tables=self.tables[:0],
+            decode_tables=d["tables"][:b],
+            decode_lens=d["lens"][:b],
+            prefill_tables=d["tables"][:0],
             prefill_query_start=empty,
             prefill_lens=empty,
             max_prefill_len=0,
         )
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+        hidden = self.model(d["input_ids"][:b], d["positions"][:b], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
-
 
 
 def extend_sizes(max_tokens: int) -> list[int]:
@@ -227,39 +259,28 @@ class ExtendGraphs(_GraphSet):
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KVCaches,
         page_size: int,
         pad_page: int,
         max_tokens: int,
         max_pages_per_seq: int,
         lora: LoraContext | None,
     ):
-        self.model, self.kv_caches, self.lora = model, kv_caches, lora
-        self.page_size, self.pad_page = page_size, pad_page
-        self.sizes = extend_sizes(max_tokens)
-        self.max_pages = max_pages_per_seq
+        sizes = extend_sizes(max_tokens)
+        b = sizes[-1]
+        super().__init__(model, kv_caches, page_size, pad_page, max_pages_per_seq, lora, sizes, {
+            "input_ids": (torch.long, (b,), 0),
+            "positions": (torch.long, (b,), 0),
+            "slot_mapping": (torch.long, (b,), pad_page * page_size),
+            "sample_row": (torch.long, (1,), 0),
+            "lens": (torch.int32, (1,), b),
+            "seg_indptr": (torch.int32, (b + 1,), 0),
+            "seg_slots": (torch.int32, (b,), -1),
+            "table": (torch.int32, (1, max_pages_per_seq), pad_page),
+        })
         device = model.embed_tokens.weight.device
-        b = self.sizes[-1]
-
-        self.pad_slot = pad_page * page_size
-        self.inputs = StagedInputs([
-            ("input_ids", torch.long, (b,), 0),
-            ("positions", torch.long, (b,), 0),
-            ("slot_mapping", torch.long, (b,), self.pad_slot),
-            ("sample_row", torch.long, (1,), 0),
-            ("lens", torch.int32, (1,), b),
-            ("seg_indptr", torch.int32, (b + 1,), 0),
-            ("seg_slots", torch.int32, (b,), -1),
-            ("table", torch.int32, (1, max_pages_per_seq), pad_page),
-        ], device)
-        d = self.inputs.dev
-        self.input_ids, self.positions, self.slot_mapping = (
-            d["input_ids"], d["positions"], d["slot_mapping"])
-        self.sample_row, self.lens, self.table = d["sample_row"], d["lens"], d["table"]
-        self.seg_indptr, self.seg_slots = d["seg_indptr"], d["seg_slots"]
         self.query_start = {s: torch.tensor([0, s], dtype=torch.int32, device=device)
                             for s in self.sizes}
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fits(self, num_tokens: int, context: int) -> bool:
         """A chunk of `num_tokens` ending at `context` tokens; its padding's positions must
@@ -269,50 +290,44 @@ class ExtendGraphs(_GraphSet):
         b = next(s for s in self.sizes if s >= num_tokens)
         return context - num_tokens + b <= self.max_pages * self.page_size
 
-    def run(
-        self,
-        input_ids: list[int],
-        start: int,
-        slots: list[int],
-        pages: list[int],
-        lora_slot: int | None,
-    ) -> torch.Tensor:
-        """Replay for a chunk of `n = len(input_ids)` tokens at positions `start..start+n-1`
-        (`slots` their KV slots, `pages` the sequence's pages covering them). Returns the fp32
-        logits [1, vocab] of its last token (a view, valid until the next replay)."""
-        n = len(input_ids)
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replay for a step of one sequence's chunk of `n` tokens, sampled at its last. Returns
+        the fp32 logits [1, vocab] of that token (a view, valid until the next replay)."""
+        n = len(inputs.input_ids)
         b = next(s for s in self.sizes if s >= n)
-        h = self.inputs.stage()
-        h["input_ids"][:n] = input_ids
+        start, pages, slot = inputs.positions[0], inputs.tables[0], inputs.lora_slots[0]
+        h = self._stage()
+        h["input_ids"][:n] = inputs.input_ids
         h["input_ids"][n:b] = 0
-        h["positions"][:n] = range(start, start + n)
+        h["positions"][:n] = inputs.positions
         h["positions"][n:b] = 0
-        h["slot_mapping"][:n] = slots
+        h["slot_mapping"][:n] = inputs.slot_mapping
         h["slot_mapping"][n:b] = self.pad_slot
         h["table"][0, : len(pages)] = pages
         h["table"][0, len(pages) :] = self.pad_page
         h["lens"][0] = start + b
         h["sample_row"][0] = n - 1
-        kernel = None if lora_slot is None else "segmented"
+        kernel = "segmented" if self.lora is not None and slot >= 0 else None
         if kernel:  # the padding queries are in no segment
-            _stage_segments(h, [lora_slot] * n, b)
-        self.inputs.send("table", 1)
+            _stage_segments(h, [slot] * n, b)
+        self._send("table", 1)
         graph, logits = self.graphs[(b, kernel)]
         graph.replay()
         return logits
 
     def _forward(self, b: int) -> torch.Tensor:
-        empty = self.lens[:0]
+        d = self.inputs.dev
+        empty = d["lens"][:0]
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b],
+            slot_mapping=d["slot_mapping"][:b],
             page_size=self.page_size,
             num_decodes=0,
-            decode_tables=self.table[:0],
+            decode_tables=d["table"][:0],
             decode_lens=empty,
-            prefill_tables=self.table,
+            prefill_tables=d["table"],
             prefill_query_start=self.query_start[b],
-            prefill_lens=self.lens,
+            prefill_lens=d["lens"],
             max_prefill_len=b,
         )
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
-        return self.model.compute_logits(hidden.index_select(0, self.sample_row))
+        hidden = self.model(d["input_ids"][:b], d["positions"][:b], self.kv_caches, meta)
+        return self.model.compute_logits(hidden.index_select(0, d["sample_row"]))

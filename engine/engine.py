@@ -1,9 +1,10 @@
-"""The engine step: schedule -> run -> postprocess.
+"""The engine step: schedule -> run -> postprocess (`LLMEngine.step`).
 
-On CUDA the decode steps overlap (`EngineConfig.overlap_schedule`): step N+1's forward is queued
-on the device, fed by step N's tokens there, before the host reads step N's tokens and
-postprocesses them, so the host's work per step hides behind the device's (SGLang's overlap
-scheduler). Requests that step N ends ran one token too far in step N+1; that row is dropped.
+On CUDA the decode steps overlap (`EngineConfig.overlap_schedule`; `LLMEngine._overlap_step`):
+step N+1's forward is queued on the device, fed by step N's tokens there, before the host reads
+step N's tokens and postprocesses them, so the host's work per step hides behind the device's
+(SGLang's overlap scheduler). Requests that step N ends ran one token too far in step N+1; that
+row is dropped.
 """
 
 from __future__ import annotations
@@ -31,41 +32,39 @@ from lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         from transformers import AutoTokenizer
 
-        self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        dtype = getattr(torch, cfg.dtype)  # the config's dtype names are torch's
         self.model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)
-        self.model = load_model(self.model_dir, DTYPES[cfg.dtype], cfg.device)
+        self.model = load_model(self.model_dir, dtype, cfg.device)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load the tokenizer from {self.model_dir}: {e}") from e
         mc = self.model_config = self.model.cfg
+        device = self.model.embed_tokens.weight.device
+        cfg = self.cfg = cfg.resolve(mc, device.type)  # from here on, no "auto" settings
+        self.max_model_len = cfg.max_model_len
+        self.overlap = cfg.overlap_schedule
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.decoder = Decoder(self.tokenizer)  # shared by the requests' detokenizers
 
-        num_pages = cfg.num_pages or self._pages_for_budget(cfg.kv_cache_gb)
-        self.max_model_len = min(cfg.max_model_len or mc.max_position, num_pages * cfg.page_size)
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(cfg.num_pages)
         self.grammar = GrammarStage(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
-        dtype, device = DTYPES[cfg.dtype], self.model.embed_tokens.weight.device
         slots = None
         if cfg.max_loras:
             slots = LoraSlots(mc, cfg.max_loras, cfg.max_lora_rank, dtype, device)
         self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
-        lora = wrap_model(self.model, slots, self.adapters.slot_of) if slots else None
-        session_pages = num_pages // 4 if cfg.session_kv_pages is None else cfg.session_kv_pages
+        lora = wrap_model(self.model, slots) if slots else None
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
-                                        session_pages)
+                                        cfg.session_kv_pages)
         self.scheduler = Scheduler(
             self.allocator,
             cfg.page_size,
@@ -76,20 +75,12 @@ class LLMEngine:
             cache=self.prefix_cache,
         )
         self.runner = ModelRunner(
-            self.model, num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora,
+            self.model, cfg.num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora,
             cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
-            max_model_len=self.max_model_len, eos_token_ids=sorted(self.eos_token_ids),
+            max_model_len=cfg.max_model_len, eos_token_ids=sorted(self.eos_token_ids),
         )
         self._requests: dict[str, Request] = {}
-        overlap = cfg.overlap_schedule
-        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._ahead: Step | None = None  # the overlapped decode step in flight
-
-    def _pages_for_budget(self, gb: float) -> int:
-        mc = self.model_config
-        itemsize = torch.empty((), dtype=DTYPES[self.cfg.dtype]).element_size()
-        per_page = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize * self.cfg.page_size
-        return max(1, int(gb * 2**30) // per_page)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -165,53 +156,45 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> postprocess. With `overlap` on, a decode-only batch starts the
+        overlapped loop instead (`_overlap_step`), which goes on while only decodes run."""
         failed = [self._fail(req, why) for req, why in self._not_startable()]
-        try:
-            if self._ahead is not None:
-                return failed + self._step_ahead()
-            batch = self.scheduler.schedule()
-            failed += [self._fail(req, why) for req, why in batch.failed]
-            if not batch:
-                if not failed:
-                    self._wait_for_background(0.05)
-                return failed
-            if self.overlap and all(s.num_new_tokens == 1 and s.samples for s in batch.seqs):
-                step = self.runner.launch(batch)
-                self.runner.sample(step, step.rows)
-                self._ahead = step
-                return failed + self._step_ahead()
-            return failed + self.postprocess(batch, self.runner.run(batch))
-        except BaseException:
-            self._ahead = None  # what was in flight belongs to requests the caller now fails
-            raise
-
-    def _step_ahead(self) -> list[RequestOutput]:
-        """Queue the next decode step behind the one in flight, then postprocess the one in
-        flight (the host's work runs while the device computes) and queue the next one's draw
-        (its grammar masks need this step's tokens accepted)."""
-        prev = self._ahead
-        nxt = self._decodes_ahead(prev)
-        self._ahead = self.runner.launch(nxt, after=prev) if nxt else None
-        outputs = self.postprocess(prev.batch, self.runner.collect(prev), jump_forward=False)
         if self._ahead is not None:
-            alive = [r for r in self._ahead.rows if not r.finished]
-            if alive:
-                self.runner.sample(self._ahead, alive)
-            else:
-                self._ahead = None
+            return failed + self._overlap_step(self._ahead)
+        batch = self.scheduler.schedule()
+        failed += [self._fail(req, why) for req, why in batch.failed]
+        if not batch:
+            if not failed:
+                self._wait_for_background(0.05)
+            return failed
+        if self.overlap and batch.is_decode:
+            first = self.runner.launch(batch)
+            self.runner.sample(first, first.rows)
+            return failed + self._overlap_step(first)
+        return failed + self.postprocess(batch, self.runner.run(batch))
+
+    def _overlap_step(self, prev: Step) -> list[RequestOutput]:
+        """One step of the overlapped loop. `prev` (step N) is in flight, its draw queued: queue
+        step N+1's decodes behind it, fed by N's tokens on the device; postprocess N while the
+        device computes; then queue N+1's draw (its grammar masks need N's tokens accepted).
+        Ends (nothing left ahead) when no request decodes on, or one is waiting to start."""
+        self._ahead = None  # until N+1 is queued: if this raises, nothing stays in flight
+        nxt = self._next_decodes(prev)
+        ahead = self.runner.launch(nxt, after=prev) if nxt else None
+        # N+1 decodes N's sampled token: no forced (jump-forward) tokens may follow it.
+        outputs = self.postprocess(prev.batch, self.runner.collect(prev), jump_forward=False)
+        alive = [r for r in ahead.rows if not r.finished] if ahead else []
+        if alive:
+            self.runner.sample(ahead, alive)
+            self._ahead = ahead
         return outputs
 
-    def _decodes_ahead(self, prev: Step) -> Batch | None:
+    def _next_decodes(self, prev: Step) -> Batch | None:
         """The decodes that follow `prev`: its requests that its tokens cannot end by length.
         None when a waiting request could start instead (the regular schedule admits it)."""
         if self.scheduler.admits_now():
             return None
-        reqs = [
-            r for r in prev.drawn.reqs
-            if not r.finished
-            and r.num_output_tokens + 1 < r.params.max_tokens
-            and r.num_tokens + 1 < self.max_model_len
-        ]
+        reqs = [r for r in prev.drawn.reqs if not r.finished and self._tokens_left(r) > 1]
         return self.scheduler.schedule_ahead(reqs)
 
     def _wait_for_background(self, timeout: float) -> None:
@@ -270,8 +253,7 @@ class LLMEngine:
 
     def _jump_forward(self, req: Request, new: list[int]) -> str | None:
         """Append the tokens the grammar forces; the next step prefills them as one chunk."""
-        limit = req.params.max_tokens - req.num_output_tokens
-        for token in self.grammar.jump_forward(req, limit):
+        for token in self.grammar.jump_forward(req, self._tokens_left(req)):
             req.token_ids.append(token)
             new.append(token)
             reason = self._check_stop(req, token, accepted=True)
@@ -293,9 +275,15 @@ class LLMEngine:
         ):
             req.error = GrammarStage.check(req, req.output_state.text)
             return "error" if req.error else "stop"
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if self._tokens_left(req) <= 0:
             return "length"
         return None
+
+    def _tokens_left(self, req: Request) -> int:
+        """The length stop: how many more tokens `req` may have before `max_tokens` or the
+        context (`max_model_len`) ends it."""
+        by_max_tokens = req.params.max_tokens - req.num_output_tokens
+        return min(by_max_tokens, self.max_model_len - req.num_tokens)
 
     def _fail(self, req: Request, why: str) -> RequestOutput:
         """End `req` with finish_reason "error" (also when it had just finished otherwise).

@@ -118,33 +118,27 @@ def load_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalL
     ours: dict[str, torch.Tensor] = {}
     missing: list[str] = []
 
-    def take(name: str) -> torch.Tensor | None:
-        t = hf.get(name)
-        if t is None:
-            missing.append(name)
-        return t
+    def put(name: str, *parts: str) -> None:
+        """ours[name] = hf[part] (several parts: concatenated, a fused projection)."""
+        found = [hf[n] for n in parts if n in hf]
+        missing.extend(n for n in parts if n not in hf)
+        if len(found) == len(parts):
+            ours[name] = found[0] if len(found) == 1 else torch.cat(found)
 
     for name in ("embed_tokens.weight", "norm.weight"):
-        ours[name] = take(name)
+        put(name, name)
     if not cfg.tie_embeddings:
-        ours["lm_head.weight"] = take("lm_head.weight")
+        put("lm_head.weight", "lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            ours[p + n] = take(p + n)
-        ours[a + "o_proj.weight"] = take(a + "o_proj.weight")
-        ours[m + "down_proj.weight"] = take(m + "down_proj.weight")
-        qkv = [take(f"{a}{x}_proj.weight") for x in "qkv"]
-        gate_up = [take(m + "gate_proj.weight"), take(m + "up_proj.weight")]
-        if None not in qkv:
-            ours[a + "qkv_proj.weight"] = torch.cat(qkv)
-        if None not in gate_up:
-            ours[m + "gate_up_proj.weight"] = torch.cat(gate_up)
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                  "self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            put(p + n, p + n)
+        put(a + "qkv_proj.weight", *(f"{a}{x}_proj.weight" for x in "qkv"))
+        put(m + "gate_up_proj.weight", m + "gate_proj.weight", m + "up_proj.weight")
         if cfg.qkv_bias:
-            bias = [take(f"{a}{x}_proj.bias") for x in "qkv"]
-            if None not in bias:
-                ours[a + "qkv_proj.bias"] = torch.cat(bias)
+            put(a + "qkv_proj.bias", *(f"{a}{x}_proj.bias" for x in "qkv"))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint {folder} is missing {len(missing)} tensors: {shown}")

@@ -1,7 +1,8 @@
 """The typed boundary between the gateway and the engine. Pure Python: no torch here.
 
 The gateway submits a `GenerateRequest`; the engine answers with a stream of `RequestOutput`
-deltas for that request id, the last one with `finished=True`.
+deltas for that request id, the last one with `finished=True`. Everything else the gateway may
+ask of the engine (and of its adapter registry) is declared in engine/protocols.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Turns a scheduled `Batch` into tensors, runs one forward over all its tokens, samples.
 
-This is the only engine module that builds tensors from the scheduler's lists. Tokens are laid
-out decodes first (one query each, attended in one batched call), then prefill chunks. On CUDA
-a decode-only step replays a captured graph (`engine.cuda_graphs`); index tensors go up from
-pinned memory without waiting, so the one host sync of a step is reading the sampled tokens.
+This is the only engine module that builds tensors from the scheduler's lists. A step's inputs
+are built once as host lists (`engine.step_inputs`: decodes first, then prefill chunks); the
+eager forward uploads them, and on CUDA a decode-only step, or one sequence's short last chunk,
+copies them into a captured graph's static buffers instead (`engine.cuda_graphs`). Every upload
+goes through pinned memory without waiting (`kernels.upload`), so the one host sync of a step
+is reading the sampled tokens.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Drawn, Sampler, SampleResult
 from engine.scheduler import Batch, ScheduledSeq
+from engine.step_inputs import StepInputs
 from engine.structured import GrammarStage
 from kernels.attention import AttentionMetadata
+from kernels.upload import upload
 from lora.layers import LoraContext
 
 EXTEND_GRAPH_TOKENS = 256  # chunks up to this long replay a graph when alone in their step
@@ -97,7 +101,7 @@ class ModelRunner:
     def launch(self, batch: Batch, after: Step | None = None) -> Step:
         """Queue the batch's forward. With `after`, a step still in flight whose draw is queued,
         the batch is decodes of the tokens that step draws: they feed in on the device, before
-        the host has seen them (the overlapped schedule, `LLMEngine._step_ahead`)."""
+        the host has seen them (the overlapped schedule, `LLMEngine._overlap_step`)."""
         seqs = sorted(batch.seqs, key=self._layout)
         input_ids = None
         if after is not None:
@@ -149,121 +153,56 @@ class ModelRunner:
 
     def _layout(self, s: ScheduledSeq) -> tuple[bool, int]:
         """Decodes first; within them, one run per adapter slot (SGMV segments, not BGMV)."""
-        return s.num_new_tokens != 1, self.lora.slot_of(s.request) if self.lora else -1
+        return s.num_new_tokens != 1, s.request.lora_slot
 
     def _graph_logits(
         self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None
     ) -> torch.Tensor | None:
         """Logits of a decode-only step, or of one sequence's short last chunk, from a CUDA
-        graph; None when no graph fits the step. `input_ids`: the decodes' tokens on the
-        device (else they are read from the requests)."""
+        graph; None when no graph fits the step (checked before the inputs are built).
+        `input_ids`: the decodes' tokens on the device (else they are read from the requests)."""
         if self.graphs is None:
             return None
         if len(seqs) == 1 and seqs[0].num_new_tokens > 1:
-            return self._extend_graph_logits(seqs[0]) if seqs[0].samples else None
-        ids, positions, slots, tables = [], [], [], []
-        for s in seqs:
-            if s.num_new_tokens != 1 or not s.samples:
+            s, extend = seqs[0], self.extend_graphs
+            n = s.num_new_tokens
+            if not s.samples or extend is None or not extend.fits(n, s.start + n):
                 return None
-            req, pos = s.request, s.start
-            ids.append(0 if input_ids is not None else req.token_ids[pos])
-            positions.append(pos)
-            slots.append(self._slot(req.pages, pos))
-            tables.append(self._pages(req.pages, pos + 1))
-        if not self.graphs.fits(len(seqs), max(len(t) for t in tables)):
+            return extend.run(StepInputs.build(seqs, self.page_size))
+        if not all(s.num_new_tokens == 1 and s.samples for s in seqs):
             return None
-        lora_slots = None
-        if self.lora is not None:
-            lora_slots = [self.lora.slot_of(s.request) for s in seqs]
-            if all(slot < 0 for slot in lora_slots):
-                lora_slots = None
-        return self.graphs.run(ids, positions, slots, tables, lora_slots, input_ids)
-
-    def _extend_graph_logits(self, seq: ScheduledSeq) -> torch.Tensor | None:
-        req, start, n = seq.request, seq.start, seq.num_new_tokens
-        if not self.extend_graphs.fits(n, start + n):
+        if not self.graphs.fits(len(seqs), max(s.start for s in seqs) + 1):
             return None
-        slot = self.lora.slot_of(req) if self.lora is not None else -1
-        return self.extend_graphs.run(
-            req.token_ids[start : start + n],
-            start,
-            [self._slot(req.pages, p) for p in range(start, start + n)],
-            self._pages(req.pages, start + n),
-            slot if slot >= 0 else None,
-        )
-
-    def _pages(self, pages: list[int], num_tokens: int) -> list[int]:
-        """The pages holding a sequence's first `num_tokens` tokens."""
-        return pages[: -(-num_tokens // self.page_size)]
-
-    def _slot(self, pages: list[int], position: int) -> int:
-        return pages[position // self.page_size] * self.page_size + position % self.page_size
+        return self.graphs.run(StepInputs.build(seqs, self.page_size), input_ids)
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         """Input ids, positions, attention metadata and the sampled rows of an eager step."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        prefill_tables: list[list[int]] = []
-        lens: list[int] = []
-        query_start = [0]
-        for s in seqs:
-            req, start, n = s.request, s.start, s.num_new_tokens
-            end = start + n
-            table = self._pages(req.pages, end)
-            lens.append(end)
-            if n == 1:
-                # A decode ahead of its token (`launch(after=...)`) gets it on the device.
-                ids.append(req.token_ids[start] if start < req.num_tokens else 0)
-                pos.append(start)
-                slots.append(self._slot(req.pages, start))
-                decode_tables.append(table)
-            else:
-                ids.extend(req.token_ids[start:end])
-                pos.extend(range(start, end))
-                slots.extend(self._slot(req.pages, p) for p in range(start, end))
-                prefill_tables.append(table)
-                query_start.append(query_start[-1] + n)
-            if s.samples:
-                sample_rows.append(len(ids) - 1)
-        nd = len(decode_tables)
-        ids_t, pos_t, slots_t, rows_t = self._upload([ids, pos, slots, sample_rows], torch.long)
+        x = StepInputs.build(seqs, self.page_size)
+        nd, num_prefills = x.num_decodes, len(x.tables) - x.num_decodes
+        ids, positions, slots, sample_rows = self._upload(
+            [x.input_ids, x.positions, x.slot_mapping, x.sample_rows], torch.long
+        )
         dt, dl, pt, qs, pl = self._upload(
-            [_flat(decode_tables), lens[:nd], _flat(prefill_tables), query_start, lens[nd:]],
+            [_flat(x.tables[:nd]), x.context_lens[:nd], _flat(x.tables[nd:]), x.query_start,
+             x.context_lens[nd:]],
             torch.int32,
         )
         meta = AttentionMetadata(
-            slot_mapping=slots_t,
+            slot_mapping=slots,
             page_size=self.page_size,
             num_decodes=nd,
             decode_tables=dt.view(nd, -1) if nd else dt,
             decode_lens=dl,
-            prefill_tables=pt.view(len(prefill_tables), -1) if prefill_tables else pt,
+            prefill_tables=pt.view(num_prefills, -1) if num_prefills else pt,
             prefill_query_start=qs,
             prefill_lens=pl,
-            max_prefill_len=max(
-                (b - a for a, b in zip(query_start, query_start[1:], strict=False)), default=0
-            ),
+            max_prefill_len=x.max_prefill_len,
         )
-        return ids_t, pos_t, meta, rows_t
+        return ids, positions, meta, sample_rows
 
     def _upload(self, parts: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Several index lists as one host tensor (pinned on a GPU) and one non-blocking copy;
-        returns a view per list, each starting 16-byte aligned (Triton specializes on that).
-        The lists go in through numpy, which converts Python ints ~3x faster than torch."""
-        align = 16 // dtype.itemsize
-        offsets, size = [], 0
-        for part in parts:
-            offsets.append(size)
-            size += -(-len(part) // align) * align
-        host = torch.empty(size, dtype=dtype, pin_memory=self.device.type == "cuda")
-        staged = host.numpy()
-        for o, part in zip(offsets, parts, strict=True):
-            staged[o : o + len(part)] = part
-        dev = host.to(self.device, non_blocking=True)
-        return [dev[o : o + len(part)] for o, part in zip(offsets, parts, strict=True)]
+        """Int lists as tensors on this runner's device, in one copy (`kernels.upload`)."""
+        return upload(parts, dtype, self.device)
 
 
 @dataclass

@@ -40,6 +40,9 @@ class Request:
     cache_node: Any = None
     session_id: str | None = None  # a session's turn: its KV stays pinned after it finishes
     adapter_uid: int = 0  # which registration of `params.adapter` (set by the engine)
+    # Its adapter's device slot, pinned from admission to finish (AdapterManager.can_admit);
+    # -1: the base model.
+    lora_slot: int = -1
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from grammar.spec import ConstraintSpec, GrammarError, parse_constraint
@@ -41,22 +41,25 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     priority: int = 0  # lower runs first; FCFS within a priority
-    # Structured output: OpenAI's `response_format` or vLLM's `structured_outputs` dict, parsed
-    # into `constraint` at construction (or pass an already parsed `constraint`).
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    # Structured output, as the offline API's convenience: OpenAI's `response_format` or vLLM's
+    # `structured_outputs` dict, parsed into `constraint` here and not kept. The gateway parses
+    # the request once and passes `constraint` alone, so the engine only ever sees the spec.
+    response_format: InitVar[dict[str, Any] | None] = None
+    structured_outputs: InitVar[dict[str, Any] | None] = None
     constraint: ConstraintSpec | None = None
     adapter: str | None = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self, response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+    ) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        if self.constraint is None and (self.response_format or self.structured_outputs):
-            try:
-                self.constraint = parse_constraint(self.response_format, self.structured_outputs)
+        if self.constraint is None and (response_format or structured_outputs):
+            try:  # the gateway's parser too: one reading of these fields
+                self.constraint = parse_constraint(response_format, structured_outputs)
             except GrammarError as e:
                 raise InvalidRequestError(e.message, e.param or "response_format") from None
         self.validate()

@@ -86,7 +86,7 @@ class StepRows:
         greedy = [st.greedy for st in states]
         self.any_greedy = any(greedy)
         self.logprob_rows = [i for i, st in enumerate(states) if st.logprobs is not None]
-        self.logprob_k = max((states[i].logprobs for i in self.logprob_rows), default=0)
+        self.logprob_k = max((states[i].logprobs or 0 for i in self.logprob_rows), default=0)
         self.arrays: dict[str, np.ndarray] = {}
         if self.logprob_rows:
             self.arrays["logprob_rows"] = np.array(self.logprob_rows, np.int64)

@@ -26,12 +26,13 @@ class ScheduledSeq:
     request: Request
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
-    # True when this step computes the request's last known token, so it samples. Fixed when
-    # scheduled (the step's postprocess appends tokens); read several times per step.
+    # True when this step computes the request's last known token, so it samples; also for a
+    # decode scheduled ahead, one past it (its input is the token the step in flight draws).
+    # Fixed when scheduled (the step's postprocess appends tokens); read several times a step.
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        self.samples = self.start + self.num_new_tokens >= self.request.num_tokens
 
 
 @dataclass
@@ -44,6 +45,11 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every seq decodes one token and samples it: the next step can be queued behind it."""
+        return all(s.num_new_tokens == 1 and s.samples for s in self.seqs)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -163,9 +169,7 @@ class Scheduler:
         for req in reqs:
             if not self._reserve(req, req.num_tokens + 1):
                 return None
-            seq = ScheduledSeq(req, req.num_tokens, 1)
-            seq.samples = True  # its input is the token being drawn
-            batch.seqs.append(seq)
+            batch.seqs.append(ScheduledSeq(req, req.num_tokens, 1))
         return batch or None
 
     def admits_now(self) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from engine.request import Request
 from grammar.backend import BackendError
-from grammar.spec import GrammarError
+from grammar.spec import ConstraintSpec, GrammarError
 from grammar.validate import check_output
 from kernels.bitmask import apply_token_bitmask_inplace
 
@@ -47,14 +47,14 @@ class GrammarStage:
                 )
             return self._compiler
 
-    def compile(self, req_constraint) -> Future:
+    def compile(self, spec: ConstraintSpec) -> Future:
         """Start compiling (or find in the cache); resolves or raises `GrammarError`. Cheap for
         the caller, which may be the event loop: it hashes the spec; the first call builds the
         compiler on a helper thread."""
         if self._compiler is not None:
-            return self._compiler.submit(req_constraint)
+            return self._compiler.submit(spec)
         out: Future = Future()
-        self._starter.submit(_forward, lambda: self.compiler.submit(req_constraint), out)
+        self._starter.submit(_forward, lambda: self.compiler.submit(spec), out)
         return out
 
     # -- admission ------------------------------------------------------------------------

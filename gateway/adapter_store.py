@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
-from gateway.redis_store import ADAPTERS, adapter_files
+from gateway.redis_store import ADAPTERS, Redis, adapter_files
 from lora.quota import AdapterQuota, QuotaExceeded
 
 # KEYS: registry, files. ARGV: name, meta JSON, max adapters, max bytes, then file name / bytes
-# pairs. Returns {1} (registered), {0} (name taken) or {-1, count, bytes used} (over quota).
+# pairs. Returns {1} (registered), {0} (name taken) or {-1, count, bytes used, bytes of this
+# upload} (over quota).
 _PUBLISH = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {0} end
 local entries = redis.call('HVALS', KEYS[1])
@@ -33,7 +34,7 @@ local used = 0
 for _, meta in ipairs(entries) do used = used + (cjson.decode(meta)['stored_bytes'] or 0) end
 local size = cjson.decode(ARGV[2])['stored_bytes'] or 0
 if #entries + 1 > tonumber(ARGV[3]) or used + size > tonumber(ARGV[4]) then
-  return {-1, #entries, used}
+  return {-1, #entries, used, size}
 end
 for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
@@ -50,20 +51,32 @@ return 1
 """
 
 
+class AdapterEntry(TypedDict):
+    """A registry entry (JSON): the adapter object as uploaded (gateway/adapters.py's
+    `adapter_object`, less `tier` and `pinned`) plus its `version`. The fields read here and
+    in gateway/shared_adapters.py are named; the others pass through."""
+
+    id: str
+    created: int
+    stored_bytes: NotRequired[int]
+    version: str
+
+
 class SharedAdapterStore:
-    def __init__(self, redis: Any):
+    def __init__(self, redis: Redis):
         """`redis`: a bytes client (`redis_store.Clients.files`): adapter files are binary."""
         self.redis = redis
         self._publish = self.redis.register_script(_PUBLISH)
         self._delete = self.redis.register_script(_DELETE)
 
-    async def get(self, tenant: str, name: str) -> dict[str, Any] | None:
+    async def get(self, tenant: str, name: str) -> AdapterEntry | None:
         """The adapter's registry entry (with `version`), or None."""
         raw = await self.redis.hget(ADAPTERS + tenant, name)
         return None if raw is None else json.loads(raw)
 
-    async def list(self, tenant: str) -> list[dict[str, Any]]:
-        entries = [json.loads(v) for v in (await self.redis.hgetall(ADAPTERS + tenant)).values()]
+    async def list(self, tenant: str) -> list[AdapterEntry]:
+        raw = await self.redis.hgetall(ADAPTERS + tenant)
+        entries: list[AdapterEntry] = [json.loads(v) for v in raw.values()]
         return sorted(entries, key=lambda m: (m["created"], m["id"]))
 
     async def usage(self, tenant: str) -> tuple[int, int]:
@@ -71,20 +84,19 @@ class SharedAdapterStore:
         entries = await self.list(tenant)
         return len(entries), sum(m.get("stored_bytes", 0) for m in entries)
 
-    async def publish(self, tenant: str, name: str, meta: dict[str, Any],
+    async def publish(self, tenant: str, name: str, meta: dict[str, object],
                       files: dict[str, bytes], quota: AdapterQuota) -> str | None:
         """Register `name` with its files (`meta["stored_bytes"]` their size); its version, or
         None when the name is taken. Raises `QuotaExceeded`, registering nothing."""
         version = uuid.uuid4().hex
-        args: list[Any] = [name, json.dumps({**meta, "version": version}), quota.max_adapters,
-                           quota.max_bytes]
+        args: list[str | int | bytes] = [name, json.dumps({**meta, "version": version}),
+                                         quota.max_adapters, quota.max_bytes]
         for filename, data in files.items():
             args += [filename, data]
         status, *usage = await self._publish(
             keys=[ADAPTERS + tenant, adapter_files(tenant, name, version)], args=args)
         if status == -1:
-            count, used = usage
-            size = meta.get("stored_bytes", 0)
+            count, used, size = usage
             raise QuotaExceeded(quota.problem(count, used, size) or "adapter quota exceeded")
         return version if status == 1 else None
 

@@ -10,10 +10,10 @@ problem and leaves nothing behind; the tenant's other adapters are untouched. A 
 uploads run one at a time, so that concurrent ones cannot pass its quota together. The served
 model's name is reserved: as `model` it names the base model.
 
-The engine's manager is used through its thread-safe registry methods (`add`, `remove`, `get`,
-`list`); this module imports no torch. With `--redis-url`, the registry shared by all replicas
-(gateway/shared_adapters.py) answers instead, and a request naming an adapter this replica
-lacks fetches it first (`ensure_adapter`).
+The engine's manager is used as an `engine.protocols.AdapterRegistry` (thread-safe `add`,
+`remove`, `get`, `list`); this module imports no torch. With `--redis-url`, the registry
+shared by all replicas (gateway/shared_adapters.py) answers instead, and a request naming an
+adapter this replica lacks fetches it first (`ensure_adapter`).
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ import contextlib
 import logging
 import shutil
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Iterator
 
 from fastapi import APIRouter, Depends, Request
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from gateway.errors import APIError, bad_request, clip, too_large
+from engine.protocols import AdapterExists, AdapterInfo, AdapterRegistry
+from gateway.errors import APIError, bad_request, clip, model_not_found, too_large
 from gateway.runtime import Runtime
 from gateway.shared_adapters import SharedAdapters, exists, invalid, over_quota, staging_dir
 from lora.quota import AdapterQuota, QuotaExceeded
@@ -50,7 +50,7 @@ def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
     uploading: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     @router.post("/v1/adapters")
-    async def upload(request: Request, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+    async def upload(request: Request, tenant: str = Depends(authenticate)) -> dict[str, object]:
         manager = require_manager(rt)
         name, files = await _read_form(request, rt.config.max_adapter_bytes)
         shared = rt.shared_adapters
@@ -83,14 +83,14 @@ def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
                 await upload.close()
 
     @router.get("/v1/adapters")
-    async def list_adapters(tenant: str = Depends(authenticate)) -> dict[str, Any]:
+    async def list_adapters(tenant: str = Depends(authenticate)) -> dict[str, object]:
         manager = require_manager(rt)
         if rt.shared_adapters:
             return {"object": "list", "data": await rt.shared_adapters.list(tenant)}
         return {"object": "list", "data": [adapter_object(i, base) for i in manager.list(tenant)]}
 
     @router.get("/v1/adapters/{name}")
-    async def get_adapter(name: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+    async def get_adapter(name: str, tenant: str = Depends(authenticate)) -> dict[str, object]:
         manager = require_manager(rt)
         if rt.shared_adapters:
             obj = await rt.shared_adapters.get(tenant, name)
@@ -102,7 +102,7 @@ def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
         return obj
 
     @router.delete("/v1/adapters/{name}")
-    async def delete_adapter(name: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+    async def delete_adapter(name: str, tenant: str = Depends(authenticate)) -> dict[str, object]:
         manager = require_manager(rt)
         if rt.shared_adapters:
             deleted = await rt.shared_adapters.delete(tenant, name)
@@ -116,8 +116,10 @@ def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
     return router
 
 
-async def _store(manager: Any, tenant: str, name: str, files: list[tuple[str, UploadFile]],
-                 keep: bool) -> tuple[Any, dict[str, bytes]]:
+async def _store(
+    manager: AdapterRegistry, tenant: str, name: str, files: list[tuple[str, UploadFile]],
+    keep: bool,
+) -> tuple[AdapterInfo, dict[str, bytes]]:
     """Write the files to a staging folder and register it (validated, off the event loop).
     Returns the adapter's info and, with `keep`, the files' bytes (for the shared registry).
     A refused adapter leaves nothing behind."""
@@ -128,7 +130,7 @@ async def _store(manager: Any, tenant: str, name: str, files: list[tuple[str, Up
                 await asyncio.to_thread(shutil.copyfileobj, upload.file, out)
         blobs = {f: (staging / f).read_bytes() for f, _ in files} if keep else {}
         info = await asyncio.to_thread(manager.add, tenant, name, staging, move=True)
-    except KeyError:  # AdapterExists: a concurrent upload of the same name won
+    except AdapterExists:  # a concurrent upload of the same name won
         raise exists(name) from None
     except ValueError as e:  # AdapterError: everything wrong with the folder
         raise invalid(name, e) from None
@@ -137,7 +139,7 @@ async def _store(manager: Any, tenant: str, name: str, files: list[tuple[str, Up
     return info, blobs
 
 
-def require_manager(rt: Runtime) -> Any:
+def require_manager(rt: Runtime) -> AdapterRegistry:
     rt.require_ready()
     manager = rt.engine.adapters
     if manager is None:
@@ -145,8 +147,8 @@ def require_manager(rt: Runtime) -> Any:
     return manager
 
 
-async def _publish(shared: SharedAdapters, manager: Any, tenant: str, name: str,
-                   obj: dict[str, Any], blobs: dict[str, bytes], quota: AdapterQuota) -> bool:
+async def _publish(shared: SharedAdapters, manager: AdapterRegistry, tenant: str, name: str,
+                   obj: dict[str, object], blobs: dict[str, bytes], quota: AdapterQuota) -> bool:
     """Register a validated upload in the shared registry; on a refusal or a failure, drop the
     local copy (nothing half-registered)."""
     try:
@@ -163,12 +165,12 @@ async def ensure_adapter(rt: Runtime, tenant: str, model: str) -> None:
     """Before `model` is resolved: with a shared registry, fetch the tenant's adapter it names
     if this replica lacks it (or drop one deleted elsewhere). No-op for the base model."""
     served = rt.config.model_name
-    if rt.shared_adapters is None or model == served or not rt.ready or not rt.engine.adapters:
+    if rt.shared_adapters is None or model == served or not rt.ready or rt.engine.adapters is None:
         return
     await rt.shared_adapters.ensure(tenant, model.removeprefix(served + ":"))
 
 
-async def model_cards(rt: Runtime, tenant: str) -> list[dict[str, Any]]:
+async def model_cards(rt: Runtime, tenant: str) -> list[dict[str, object]]:
     """`/v1/models` entries for the tenant's adapters (none before the engine is loaded)."""
     manager = rt.engine.adapters if rt.ready else None
     if manager is None:
@@ -186,12 +188,22 @@ async def model_cards(rt: Runtime, tenant: str) -> list[dict[str, Any]]:
     return [model_card(info, base) for info in manager.list(tenant)]
 
 
-def model_card(info: Any, base: str) -> dict[str, Any]:
+def adapter_model_card(rt: Runtime, tenant: str, name: str) -> dict[str, object]:
+    """`/v1/models/{model}` for the tenant's adapter `name`, resolved just before (a 404
+    if it was deleted meanwhile)."""
+    manager = rt.engine.adapters
+    info = None if manager is None else manager.get(tenant, name)
+    if info is None:
+        raise model_not_found(name)
+    return model_card(info, rt.config.model_name)
+
+
+def model_card(info: AdapterInfo, base: str) -> dict[str, object]:
     return {"id": info.name, "object": "model", "created": info.created,
             "owned_by": info.tenant, "parent": base, "root": base}
 
 
-def adapter_object(info: Any, base: str) -> dict[str, Any]:
+def adapter_object(info: AdapterInfo, base: str) -> dict[str, object]:
     return {
         "id": info.name, "object": "adapter", "created": info.created, "owned_by": info.tenant,
         "parent": base, "rank": info.rank, "target_modules": list(info.target_modules),
@@ -209,7 +221,7 @@ async def _read_form(request: Request, limit: int) -> tuple[str, list[tuple[str,
     if length.isdigit() and int(length) > limit:
         raise too_large(limit)
 
-    async def capped() -> AsyncIterator[bytes]:
+    async def capped() -> AsyncGenerator[bytes, None]:
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -255,10 +267,10 @@ def _unknown(name: str) -> APIError:
 class _AdapterCollector:
     """Prometheus view of the manager's counters, read at scrape time."""
 
-    def __init__(self, manager: Callable[[], Any]) -> None:
+    def __init__(self, manager: Callable[[], AdapterRegistry | None]) -> None:
         self.manager = manager
 
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[Metric]:
         loads = CounterMetricFamily(
             "switchboard_adapter_loads", "LoRA adapter loads into a tier (host: read from "
             "disk; device: copied into a slot)", labels=["tier"])
@@ -277,5 +289,6 @@ class _AdapterCollector:
         yield from (loads, evictions, resident)
 
 
-def register_metrics(registry: CollectorRegistry, manager: Callable[[], Any]) -> None:
+def register_metrics(registry: CollectorRegistry,
+                     manager: Callable[[], AdapterRegistry | None]) -> None:
     registry.register(_AdapterCollector(manager))

@@ -2,9 +2,10 @@
 
 One request, end to end: auth (tenant) -> body (size, JSON, schema) -> model -> counts
 (gateway/bounds.py) -> admission (queue bound, tenant limits) -> session -> plan, in a worker
-thread (bounds, constraint, template, prompt ids + SamplingParams per choice, validated by the
-engine) -> grammar compile -> engine -> JSON body or SSE stream. Nothing that grows with the
-request runs on the event loop, and none of it before the tenant is admitted.
+thread (gateway/params.py: bounds, the constraint parsed once, template, prompt ids +
+SamplingParams per choice, validated by the engine) -> grammar compile -> engine -> JSON body or
+SSE stream. Nothing that grows with the request runs on the event loop, and none of it before
+the tenant is admitted.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
-from gateway.adapters import adapter_routes, ensure_adapter, model_card, model_cards
+from gateway.adapters import adapter_model_card, adapter_routes, ensure_adapter, model_cards
 from gateway.body import read_body
 from gateway.bounds import check_counts
 from gateway.config import ServeConfig
@@ -28,7 +28,7 @@ from gateway.errors import APIError, bad_request, install_error_handlers
 from gateway.generation import Generation
 from gateway.metrics import RequestCounter
 from gateway.openapi import document_bodies
-from gateway.params import EngineFacts, Job, plan_chat, plan_completion, resolve_adapter
+from gateway.params import EngineFacts, Plan, plan_chat, plan_completion, resolve_adapter
 from gateway.responses import ChatFormat, CompletionFormat
 from gateway.runtime import Runtime
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -36,7 +36,7 @@ from gateway.session_routes import add_session_routes
 from gateway.sessions import CreateSession, ForkSession, SessionTurn, resolve_session
 from gateway.sse import SSEResponse, stream_events
 from gateway.tokenizer import GatewayTokenizer
-from grammar.spec import GrammarError
+from grammar.spec import ConstraintSpec, GrammarError
 
 
 def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAPI:
@@ -81,17 +81,17 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
-    async def list_models(tenant: str = Depends(authenticate)) -> dict[str, Any]:
+    async def list_models(tenant: str = Depends(authenticate)) -> dict[str, object]:
         return {"object": "list", "data": [_model_card(config, created),
                                            *await model_cards(rt, tenant)]}
 
     @app.get("/v1/models/{model:path}")
-    async def get_model(model: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+    async def get_model(model: str, tenant: str = Depends(authenticate)) -> dict[str, object]:
         await ensure_adapter(rt, tenant, model)
         adapter = resolve_adapter(model, config.model_name, tenant, rt.engine.adapters)
         if adapter is None:
             return _model_card(config, created)
-        return model_card(rt.engine.adapters.get(tenant, adapter), config.model_name)
+        return adapter_model_card(rt, tenant, adapter)
 
     app.include_router(adapter_routes(rt, authenticate))
 
@@ -126,13 +126,11 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
             ticket = await rt.limiter.admit(tenant)
             try:
                 turn = await resolve_session(body, tenant, rt.sessions)
-                jobs = await asyncio.to_thread(_plan, body, turn, tok, facts, adapter)
-                # The jobs' constraint, in the call format of the chat template for tools.
-                constraint = jobs[0].params.constraint
-                if constraint is not None:  # a schema no backend compiles is a 400 now
-                    await _compile(rt, constraint)
+                plan = await asyncio.to_thread(_plan, body, turn, tok, facts, adapter)
+                if plan.constraint is not None:  # a schema no backend compiles is a 400 now
+                    await _compile(rt, plan.constraint)
                 gen = Generation(
-                    rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", jobs, tenant, ticket,
+                    rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", plan.jobs, tenant, ticket,
                     rt.metrics, turn.session.id if turn else None,
                 )
                 gen.submit()
@@ -146,11 +144,11 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
             fmt = CompletionFormat(gen, config.model_name, tok, body.include_usage, body.echo)
         if body.stream:
             events = stream_events(gen, fmt, body.include_usage)
-            if turn:
+            if turn and isinstance(fmt, ChatFormat):  # a session turn is always a chat
                 events = turn.commit_before_done(events, gen, fmt)
             return SSEResponse(events, on_close=gen.close)
         response = await _collect(gen, fmt, request.is_disconnected)
-        if turn:
+        if turn and isinstance(fmt, ChatFormat):
             await turn.commit(gen, fmt)  # the turn is acknowledged only once its history is stored
         return response
 
@@ -163,8 +161,8 @@ def _plan(
     tok: GatewayTokenizer,
     facts: EngineFacts,
     adapter: str | None,
-) -> list[Job]:
-    """The request's engine jobs; in a worker thread (gateway/params.py checks the bounds)."""
+) -> Plan:
+    """The request's plan; in a worker thread (gateway/params.py checks the bounds)."""
     if isinstance(body, CompletionRequest):
         return plan_completion(body, tok, facts, adapter)
     return plan_chat(turn.prompt_body(body) if turn else body, tok, facts, adapter)
@@ -174,7 +172,7 @@ def _num_sequences(body: ChatCompletionRequest | CompletionRequest) -> int:
     return body.n * (len(body.prompts) if isinstance(body, CompletionRequest) else 1)
 
 
-async def _compile(rt: Runtime, constraint: Any) -> None:
+async def _compile(rt: Runtime, constraint: ConstraintSpec) -> None:
     try:
         await rt.engine.compile_grammar(constraint)
     except GrammarError as e:
@@ -182,7 +180,9 @@ async def _compile(rt: Runtime, constraint: Any) -> None:
 
 
 async def _collect(
-    gen: Generation, fmt: ChatFormat | CompletionFormat, disconnected: Callable[..., Any]
+    gen: Generation,
+    fmt: ChatFormat | CompletionFormat,
+    disconnected: Callable[[], Awaitable[bool]],
 ) -> Response:
     try:
         async for _ in gen.outputs(disconnected):
@@ -200,7 +200,7 @@ async def _collect(
     return JSONResponse(fmt.body())
 
 
-def _model_card(config: ServeConfig, created: int) -> dict[str, Any]:
+def _model_card(config: ServeConfig, created: int) -> dict[str, object]:
     return {
         "id": config.model_name,
         "object": "model",

@@ -25,15 +25,15 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Collection
-from typing import Any
 
 from gateway.config import DEFAULT_TENANT, TenantLimits
 from gateway.errors import APIError, forbidden, unauthorized
-from gateway.redis_store import AUTH_ADMINS, AUTH_KEYS, AUTH_TENANTS
+from gateway.redis_store import AUTH_ADMINS, AUTH_KEYS, AUTH_TENANTS, Redis
 
 log = logging.getLogger(__name__)
 
 REFRESH_S = 2.0
+KeyTable = tuple[dict[str, str], dict[str, TenantLimits], Collection[str]]  # keys, limits, admins
 
 
 def digest(key: str) -> str:
@@ -112,7 +112,7 @@ class Authenticator:
 class SharedKeys:
     """Keeps an `Authenticator` in step with the table in Redis."""
 
-    def __init__(self, redis: Any, auth: Authenticator, publish: tuple[dict, dict, Any] | None):
+    def __init__(self, redis: Redis, auth: Authenticator, publish: KeyTable | None):
         """`publish`: (key -> tenant, tenant -> limits, admin keys) to write first
         (`--api-keys`)."""
         self.redis, self.auth, self.to_publish = redis, auth, publish

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
 
 from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -24,7 +23,7 @@ MAX_SCHEMA_DEPTH = 32  # arrays and objects nested in one tool's parameters or o
 PROMPT_CHARS_PER_TOKEN = 32  # English averages about 4; code and whitespace runs a few more
 
 
-def check_counts(body: Any) -> None:
+def check_counts(body: object) -> None:
     """How many tools and messages, without reading them (cheap). `body`: a request, or its
     parsed JSON before validation."""
     for param, limit in (("tools", MAX_TOOLS), ("messages", MAX_MESSAGES)):
@@ -36,8 +35,8 @@ def check_counts(body: Any) -> None:
 def check_schemas(body: ChatCompletionRequest | CompletionRequest) -> None:
     """Size and nesting of the tools and of `response_format` / `structured_outputs`, before
     they are parsed. Walks them: call it off the event loop."""
-    fields = {"response_format": body.response_format,
-              "structured_outputs": body.structured_outputs}
+    fields: dict[str, object] = {"response_format": body.response_format,
+                                 "structured_outputs": body.structured_outputs}
     if isinstance(body, ChatCompletionRequest):
         fields["tools"] = body.tools
     for param, value in fields.items():
@@ -69,7 +68,7 @@ def chat_chars(body: ChatCompletionRequest) -> int:
     return sum(len(m.text()) for m in body.messages) + tools
 
 
-def _schemas(body: ChatCompletionRequest | CompletionRequest) -> Iterator[tuple[str, Any]]:
+def _schemas(body: ChatCompletionRequest | CompletionRequest) -> Iterator[tuple[str, object]]:
     """(param, JSON schema) for each schema the request carries, where it is where expected
     (anything else is the parser's to refuse)."""
     for i, tool in enumerate(getattr(body, "tools", None) or []):
@@ -82,7 +81,7 @@ def _schemas(body: ChatCompletionRequest | CompletionRequest) -> Iterator[tuple[
     yield "structured_outputs.json", (body.structured_outputs or {}).get("json")
 
 
-def _deeper_than(value: Any, limit: int) -> bool:
+def _deeper_than(value: object, limit: int) -> bool:
     """Whether `value` nests arrays and objects more than `limit` levels deep (a scalar: 0)."""
     stack = [(value, 1)]
     while stack:

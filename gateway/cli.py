@@ -14,67 +14,77 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, NamedTuple, get_args, get_origin
 
+from pydantic.fields import FieldInfo
+
+from engine.config import EngineConfig
 from gateway.config import ConfigError, ServeConfig, build_config
 
-# (flag, metavar, type, help); each flag's dest is a ServeConfig field.
-FLAGS: list[tuple[str, str, type, str]] = [
-    ("--model", "PATH", str, "HF checkpoint folder or .gguf file (default: embedded SmolLM2)"),
-    ("--served-model-name", "NAME", str, "the `model` clients send (default: from --model)"),
-    ("--host", "HOST", str, "interface to bind (default 127.0.0.1)"),
-    ("--port", "PORT", int, "port to bind, 0 for any free port (default 8000)"),
-    ("--api-keys", "FILE", str, "JSON file mapping API keys to tenants (default: auth off)"),
-    ("--max-num-seqs", "N", int, "most sequences in the running batch"),
-    ("--max-num-batched-tokens", "N", int, "token budget per engine step"),
-    ("--kv-pages", "N", int, "KV cache pages (default: sized from --kv-cache-gb)"),
-    ("--page-size", "N", int, "tokens per KV page"),
-    ("--kv-cache-gb", "GB", float, "KV cache budget when --kv-pages is not given"),
-    ("--max-model-len", "N", int, "context length cap"),
-    ("--dtype", "DTYPE", str, "float32 | bfloat16 | float16"),
-    ("--device", "DEVICE", str, "cpu | cuda"),
-    ("--seed", "N", int, "engine seed for unseeded sampling"),
-    ("--threads", "N", int, "torch CPU threads (default: torch's choice, one per core)"),
-    ("--max-loras", "N", int, "LoRA adapters resident in device slots (0: base model only)"),
-    ("--max-cpu-loras", "N", int, "LoRA adapters cached in host memory (>= --max-loras)"),
-    ("--max-lora-rank", "R", int, "largest adapter rank served (the slot width)"),
-    ("--adapter-dir", "DIR", str, "where uploaded adapters are stored (default: cache dir)"),
-    ("--max-adapter-bytes", "N", int, "largest accepted adapter upload"),
-    ("--max-adapters-per-tenant", "N", int, "adapters a tenant may store (default 100; the "
-     "keys file's max_adapters overrides it per tenant)"),
-    ("--max-adapter-storage-per-tenant", "BYTES", int, "bytes of adapter files a tenant may "
-     "store (default 8 GiB; max_adapter_storage_bytes in the keys file overrides it)"),
-    ("--redis-url", "URL", str, "shared state for replicas (sessions, keys, limits, adapters), "
-     "e.g. redis://host:6379/0 (default: in-process)"),
-    ("--advertise-url", "URL", str, "how routers reach this replica, e.g. http://10.0.0.7:8000 "
-     "(default: http://HOST:PORT)"),
-    ("--session-kv-pages", "N", int, "KV pages a tenant's sessions keep pinned between turns"),
-    ("--max-queue", "N", int, "sequences that may wait beyond a full batch before 429s"),
-    ("--max-request-bytes", "N", int, "largest accepted request body"),
-    ("--default-max-tokens", "N", int, "max_tokens when a request leaves it out (default "
-     "4096, capped by what is left of the context)"),
-    ("--drain-timeout", "SECONDS", float, "on SIGTERM, how long running requests may finish"),
-    ("--log-level", "LEVEL", str, "critical | error | warning | info | debug"),
-]
+FLAG_TYPES = (bool, int, float, str, Path)  # a field of another type (a table) is TOML-only
+
+
+class Flag(NamedTuple):
+    """A `ServeConfig` field that is a flag: `--<key>`, where the key is the field's alias if it
+    has one (`num_pages` is `--kv-pages`), else its name."""
+
+    name: str
+    key: str
+    info: FieldInfo
+    kind: Any  # the value's type, None stripped
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """`serve` with one flag per scalar `ServeConfig` field (see `engine.config.setting`)."""
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--config", metavar="TOML", help="TOML file with any of these settings")
-    for flag, metavar, type_, help_ in FLAGS:
-        p.add_argument(flag, metavar=metavar, type=type_, default=None, help=help_)
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
-                   help="never reuse cached KV across requests (sessions then re-prefill)")
-    p.add_argument("--public-metrics", dest="public_metrics", action="store_true", default=None,
-                   help="serve /metrics without a key (default with --api-keys: admin keys only)")
+    p.add_argument("--api-keys", metavar="FILE",
+                   help="JSON file mapping API keys to tenants (default: auth off)")
+    engine, server = p.add_argument_group("engine"), p.add_argument_group("server")
+    for flag in serve_flags():
+        group = engine if flag.name in EngineConfig.model_fields else server
+        group.add_argument("--" + flag.key.replace("_", "-"), dest=flag.key, default=None,
+                           help=_help(flag.info), **_parse_as(flag))
     p.set_defaults(func=serve)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-                 for flag, *_ in FLAGS}
-    overrides["prefix_cache"] = getattr(args, "prefix_cache", None)
-    overrides["public_metrics"] = getattr(args, "public_metrics", None)
-    return build_config(args.config, **overrides)
+    """The flags given (the others are None) override the TOML file's settings."""
+    overrides = {flag.key: getattr(args, flag.key) for flag in serve_flags()}
+    return build_config(args.config, api_keys=args.api_keys, **overrides)
+
+
+def serve_flags() -> Iterator[Flag]:
+    """The flags, engine settings first, in declaration order."""
+    for name, info in ServeConfig.model_fields.items():
+        kind = info.annotation
+        if isinstance(kind, UnionType):  # `X | None`: the flag parses an X
+            kind = next(t for t in get_args(kind) if t is not type(None))
+        if kind in FLAG_TYPES or get_origin(kind) is Literal:
+            yield Flag(name, info.alias or name, info, kind)
+
+
+def _parse_as(flag: Flag) -> dict[str, Any]:
+    """argparse's arguments for the flag's value: on/off for a bool (neither given, an "auto"
+    setting stays auto), choices for a Literal."""
+    if flag.kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if get_origin(flag.kind) is Literal:
+        return {"choices": get_args(flag.kind)}
+    extra = flag.info.json_schema_extra
+    metavar = extra.get("metavar", "N") if isinstance(extra, dict) else "N"
+    return {"type": flag.kind, "metavar": metavar}
+
+
+def _help(info: FieldInfo) -> str:
+    """The field's help text and, unless the text speaks of it, its default."""
+    text = info.description or ""
+    if info.default_factory is not None or info.default is None or "default" in text:
+        return text
+    return f"{text} (default: {info.default})"
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -1,7 +1,9 @@
 """One config object for `switchboard serve`, built once from a TOML file and flags.
 
-Precedence: flags > TOML > defaults. Everything is validated here, so components take the
-fields they need and never re-check them.
+`ServeConfig` is the engine's settings (declared once, in `engine/config.py`) plus the server's
+own, declared here; `gateway/cli.py` generates the flags from these fields, and the TOML keys
+are the same names. Precedence: flags > TOML > defaults. Everything is validated here, so
+components take the fields they need and never re-check them.
 
 The API-keys file (`--api-keys FILE`) is a JSON object mapping each key to its tenant, either
 a name or an object with per-tenant limits:
@@ -28,11 +30,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.config import EngineConfig, default_cache_dir
+from engine.config import EMBEDDED_MODEL_NAME, EngineConfig, setting
 from lora.quota import AdapterQuota
 
-# Same name as engine.loader.EMBEDDED_NAME; that module imports torch, this one must not.
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_TENANT = "default"
 
 
@@ -50,64 +50,55 @@ class TenantLimits(BaseModel):
     max_adapter_storage_bytes: int | None = Field(None, ge=0)
 
 
-class ServeConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ServeConfig(EngineConfig):
+    """The engine's settings (inherited) and the server's. Scalar fields are flags and TOML
+    keys; the tenant tables come from the API-keys file and the TOML file only."""
 
-    # What to serve and where.
-    model: str | None = None  # None: the embedded SmolLM2; else an HF folder or a .gguf file
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
+    # Where to serve.
+    served_model_name: str | None = setting(
+        None, metavar="NAME", help="the `model` clients send (default: from --model)")
+    host: str = setting("127.0.0.1", metavar="HOST", help="interface to bind")
+    port: int = setting(
+        8000, ge=0, le=65535, metavar="PORT", help="port to bind, 0 for any free port")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = setting(
+        "warning", help="server log level")
 
     # Tenants: api key -> tenant name (None: auth off), and limits per tenant name.
     api_keys: dict[str, str] | None = None
     tenants: dict[str, TenantLimits] = Field(default_factory=dict)
     default_limits: TenantLimits = TenantLimits()
     admin_keys: frozenset[str] = frozenset()  # keys marked "admin": they may read /metrics
-    public_metrics: bool = False  # /metrics without a key even with api_keys
+    public_metrics: bool = setting(
+        False, help="serve /metrics without a key (default with --api-keys: admin keys only)")
 
     # Admission control and request limits.
-    max_queue: int = Field(256, ge=0, description="sequences that may wait beyond a full batch")
-    max_request_bytes: int = Field(4 * 2**20, ge=1024)
-    default_max_tokens: int | None = Field(
-        4096, ge=1, description="max_tokens when a request leaves it out (capped by the context)")
-    drain_timeout: float = Field(30.0, ge=0, description="SIGTERM: seconds to finish requests")
+    max_queue: int = setting(
+        256, ge=0, help="sequences that may wait beyond a full batch before 429s")
+    max_request_bytes: int = setting(
+        4 * 2**20, ge=1024, metavar="BYTES", help="largest accepted request body")
+    default_max_tokens: int | None = setting(
+        4096, ge=1, help="max_tokens when a request leaves it out (capped by what is left of "
+        "the context)")
+    drain_timeout: float = setting(
+        30.0, ge=0, metavar="SECONDS", help="on SIGTERM, how long running requests may finish")
 
-    # Engine.
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=1)
-    page_size: int = Field(16, ge=1)
-    kv_pages: int | None = Field(None, ge=1)
-    kv_cache_gb: float = Field(2.0, gt=0)
-    max_model_len: int | None = Field(None, ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    threads: int | None = Field(None, ge=1)
+    # LoRA uploads.
+    max_adapter_bytes: int = setting(
+        256 * 2**20, ge=1024, metavar="BYTES", help="largest accepted adapter upload")
+    max_adapters_per_tenant: int = setting(
+        100, ge=0, help="adapters a tenant may store (the keys file's max_adapters overrides "
+        "it per tenant)")
+    max_adapter_storage_per_tenant: int = setting(
+        8 * 2**30, ge=0, metavar="BYTES", help="bytes of adapter files a tenant may store "
+        "(max_adapter_storage_bytes in the keys file overrides it per tenant)")
 
-    # Multi-LoRA: device slots, host cache, slot rank, upload store and upload size limit.
-    max_loras: int = Field(4, ge=0)
-    max_cpu_loras: int = Field(16, ge=0)
-    max_lora_rank: int = Field(16, ge=1, le=512)
-    adapter_dir: str | None = None  # None: <cache dir>/adapters
-    max_adapter_bytes: int = Field(256 * 2**20, ge=1024)
-    max_adapters_per_tenant: int = Field(100, ge=0, description="unless the tenant's own limits "
-                                         "say otherwise")
-    max_adapter_storage_per_tenant: int = Field(8 * 2**30, ge=0, description="bytes of stored "
-                                                "adapter files, unless the tenant's limits say")
-
-    # Prefix cache and sessions.
-    prefix_cache: bool = True
-    session_kv_pages: int | None = Field(None, ge=0, description="pinned pages per tenant")
-    redis_url: str | None = None  # None: sessions, keys, limits, adapters live in this process
-    advertise_url: str | None = None  # how routers reach this replica (default: where it binds)
-
-    @model_validator(mode="after")
-    def _check_loras(self) -> ServeConfig:
-        if self.max_cpu_loras < self.max_loras:
-            raise ValueError("max_cpu_loras must be >= max_loras")
-        return self
+    # Replicas.
+    redis_url: str | None = setting(
+        None, metavar="URL", help="shared state for replicas (sessions, keys, limits, "
+        "adapters), e.g. redis://host:6379/0 (default: in-process)")
+    advertise_url: str | None = setting(
+        None, metavar="URL", help="how routers reach this replica, e.g. http://10.0.0.7:8000 "
+        "(default: http://HOST:PORT)")
 
     @model_validator(mode="after")
     def _check_tenants(self) -> ServeConfig:
@@ -119,6 +110,11 @@ class ServeConfig(BaseModel):
             if any(not t.strip() for t in self.api_keys.values()):
                 raise ValueError("tenant names must be non-empty strings")
         return self
+
+    @property
+    def kv_pages(self) -> int | None:
+        """`num_pages` by its serve name (`--kv-pages`, TOML `kv_pages`)."""
+        return self.num_pages
 
     @property
     def model_name(self) -> str:
@@ -142,25 +138,11 @@ class ServeConfig(BaseModel):
         )
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            page_size=self.page_size,
-            num_pages=self.kv_pages,
-            kv_cache_gb=self.kv_cache_gb,
-            max_model_len=self.max_model_len,
-            dtype=self.dtype,
-            device=self.device,
-            seed=self.seed,
-            threads=self.threads,
-            max_loras=self.max_loras,
-            max_cpu_loras=self.max_cpu_loras,
-            max_lora_rank=self.max_lora_rank,
-            adapter_dir=Path(self.adapter_dir or default_cache_dir() / "adapters"),
-            prefix_cache=self.prefix_cache,
-            session_kv_pages=self.session_kv_pages,
-        )
+        """The engine's part of this config. A server always has an upload store: under the
+        cache dir unless `--adapter-dir` says where."""
+        settings = self.model_dump(include=set(EngineConfig.model_fields))
+        settings["adapter_dir"] = self.adapter_dir or self.cache_dir / "adapters"
+        return EngineConfig(**settings)
 
 
 def build_config(toml_path: str | Path | None = None, **overrides: Any) -> ServeConfig:

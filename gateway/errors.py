@@ -8,13 +8,13 @@ to use instead) and anything unexpected (500).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -31,13 +31,13 @@ class APIError(Exception):
         type: str = INVALID,
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
@@ -46,7 +46,7 @@ class APIError(Exception):
 
 def error_body(
     message: str, type: str = INVALID, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -86,7 +86,7 @@ def not_ready() -> APIError:
                     code="model_not_ready", headers={"Retry-After": "1"})
 
 
-def from_validation(errors: Sequence[Any], drop_prefix: str | None = None) -> APIError:
+def from_validation(errors: Sequence[ErrorDetails], drop_prefix: str | None = None) -> APIError:
     """One pydantic error as a 400 naming the offending parameter: the deepest one, since
     for a union (`content: str | list[...]`) that is the member the client meant."""
     err = max(errors, key=lambda e: len(e.get("loc", ())))
@@ -132,7 +132,7 @@ def clip(value: str, limit: int = 64) -> str:
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
-def _param_path(loc: list[Any]) -> str:
+def _param_path(loc: list[int | str]) -> str:
     """('messages', 0, 'content', 'str') -> 'messages[0].content' (drops pydantic's union
     member tags such as 'str' or 'list[ContentPart]')."""
     out = ""
@@ -144,7 +144,7 @@ def _param_path(loc: list[Any]) -> str:
     return out
 
 
-def route_error(request: Request, status: int, headers: dict[str, str]) -> APIError:
+def route_error(request: Request, status: int, headers: Mapping[str, str]) -> APIError:
     """404 for a path no route serves, 405 for a method its route does not take; both name
     the route and what to use instead, so that no client reads them as an unknown model."""
     method, path = request.method, request.url.path

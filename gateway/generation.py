@@ -13,8 +13,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncEngine
 from engine.messages import GenerateRequest, RequestOutput, TokenLogprob
+from engine.protocols import EngineClient, Sink
 from gateway.limits import Ticket
 from gateway.metrics import Metrics
 from gateway.params import Job
@@ -50,7 +50,7 @@ class Choice:
 class Generation:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         response_id: str,
         jobs: list[Job],
         tenant: str,
@@ -63,7 +63,7 @@ class Generation:
         self.response_id = response_id
         self.arrival = time.monotonic()
         self.created = int(time.time())
-        self.sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.sink: Sink = asyncio.Queue()
         self.choices = {f"{response_id}-{job.index}": Choice(job, f"{response_id}-{job.index}")
                         for job in jobs}
         self._submitted = False

@@ -14,11 +14,11 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
 from gateway.config import TenantLimits
 from gateway.errors import bad_request, rate_limited
-from gateway.redis_store import REPLICA, limit_keys
+from gateway.redis_store import REPLICA, Redis, limit_keys
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class SharedLimiter:
     bucket holds at least one token, and its tokens are taken as they are counted (so it may
     overdraw). While Redis is unreachable, this replica falls back to its own counters."""
 
-    def __init__(self, redis: Any, replica_id: str, limits_for: Callable[[str], TenantLimits]):
+    def __init__(self, redis: Redis, replica_id: str, limits_for: Callable[[str], TenantLimits]):
         self.replica_id, self.limits_for = replica_id, limits_for
         self.local = TenantLimiter(limits_for)
         self._admit = redis.register_script(ADMIT)
@@ -237,7 +237,7 @@ class SharedLimiter:
         except Exception as e:  # noqa: BLE001 - lost accounting errs on the tenant's side
             log.warning("could not record tenant %s's usage in Redis: %s", tenant, e)
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 REF = "#/components/schemas/{model}"
 
-ERROR_SCHEMA = {
+ERROR_SCHEMA: dict[str, object] = {
     "type": "object",
     "required": ["error"],
     "properties": {"error": {
@@ -28,7 +28,7 @@ ERROR_SCHEMA = {
     }},
 }
 
-UPLOAD_SCHEMA = {
+UPLOAD_SCHEMA: dict[str, object] = {
     "type": "object",
     "required": ["name", "files"],
     "properties": {
@@ -44,7 +44,7 @@ def document_bodies(app: FastAPI, json_bodies: dict[str, type[BaseModel]]) -> No
     upload form and the OpenAI error responses."""
     default = app.openapi
 
-    def openapi() -> dict[str, Any]:
+    def openapi() -> dict[str, Any]:  # Any: FastAPI's type for the document we edit
         if app.openapi_schema is not None:
             return app.openapi_schema
         doc = default()
@@ -71,10 +71,10 @@ def document_bodies(app: FastAPI, json_bodies: dict[str, type[BaseModel]]) -> No
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _body(media_type: str, schema: dict[str, Any], required: bool = True) -> dict[str, Any]:
+def _body(media_type: str, schema: dict[str, object], required: bool = True) -> dict[str, object]:
     return {"required": required, "content": {media_type: {"schema": schema}}}
 
 
-def _error(description: str) -> dict[str, Any]:
+def _error(description: str) -> dict[str, object]:
     return {"description": f"{description} (OpenAI's error JSON)",
             "content": {"application/json": {"schema": {"$ref": REF.format(model="Error")}}}}

@@ -1,26 +1,29 @@
-"""OpenAI request -> engine jobs: prompt token ids and one `SamplingParams` per choice.
+"""OpenAI request -> `Plan`: the request parsed once, at the edge, into what the engine runs.
 
-The extension points for later issues live here, each one function the request passes
-through: `resolve_adapter` (adapters as `model`), `resolve_constraint` (`response_format`,
-`tools`: structured output) and `resolve_session` (`session_id`, in gateway/sessions.py). They
-accept the plain cases and refuse what is not built yet with a clear 400, never silently.
+Planning is one pass over the body, in a worker thread since its work grows with the request:
+the bounds (gateway/bounds.py), the constraint (`tools`, or `response_format` /
+`structured_outputs`, parsed into one `ConstraintSpec`), the prompt (the chat template, with
+the tools for chat; or the completion prompts, tokenized), then one `SamplingParams` per choice
+carrying that spec. The engine never sees the raw OpenAI dicts. Before planning, the gateway
+maps `model` to an adapter (`resolve_adapter`) and `session_id` to a session's history
+(gateway/sessions.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from engine.protocols import AdapterRegistry
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from gateway.bounds import chat_chars, check_counts, check_prompt_chars, check_schemas
 from gateway.errors import bad_request, model_not_found
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import GatewayTokenizer
-from gateway.tools import render_messages, resolve_tools, tools_constraint
+from gateway.tools import render_messages, resolve_tools
 from grammar.spec import ConstraintSpec, GrammarError, parse_constraint
 from grammar.tool_parser import HERMES, CallFormat
-from grammar.tools import ToolChoice
+from grammar.tools import ToolChoice, tool_constraint
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,15 @@ class Job:
 
 
 @dataclass(frozen=True)
+class Plan:
+    """One request, planned: a job per choice, and the constraint their `SamplingParams` share
+    (None: free text), which the gateway compiles before it submits the jobs."""
+
+    jobs: list[Job]
+    constraint: ConstraintSpec | None
+
+
+@dataclass(frozen=True)
 class EngineFacts:
     """What the planner needs from the engine and the config."""
 
@@ -42,13 +54,12 @@ class EngineFacts:
     default_max_tokens: int | None = None
 
 
-# -- extension points -------------------------------------------------------------------
-
-
-def resolve_adapter(requested: str, served: str, tenant: str, adapters: Any = None) -> str | None:
+def resolve_adapter(
+    requested: str, served: str, tenant: str, adapters: AdapterRegistry | None = None
+) -> str | None:
     """The adapter `model` names (None: the base model). `model` is the base model's name, an
     adapter's name or `base:adapter`. Adapters belong to their tenant: another tenant's adapter
-    is as unknown (404) as one never uploaded. `adapters` is the engine's adapter manager."""
+    is as unknown (404) as one never uploaded. `adapters`: the engine's (None: no LoRA)."""
     if requested == served:
         return None
     name = requested.removeprefix(served + ":")
@@ -59,32 +70,33 @@ def resolve_adapter(requested: str, served: str, tenant: str, adapters: Any = No
 
 def resolve_constraint(
     body: ChatCompletionRequest | CompletionRequest,
-    fmt: CallFormat = HERMES,
     tools: ToolChoice | None = None,
+    fmt: CallFormat = HERMES,
 ) -> ConstraintSpec | None:
-    """The structured-output constraint of the request (None: free text): the tool-call format
-    `fmt` when tools are on (gateway/tools.py; `tools`: already resolved), else
-    `response_format` / `structured_outputs`. A malformed one is a 400 naming the problem."""
-    if isinstance(body, ChatCompletionRequest):
-        spec = tools_constraint(body, fmt, tools)
-        if spec is not None:
-            return spec
+    """The constraint the output follows (None: free text): the tool-call format `fmt` when
+    `tools` (the chat body's, from `resolve_tools`) are called, else `response_format` /
+    `structured_outputs`. A malformed one, or `response_format` beside active tools (the output
+    is then the call format), is a 400 naming the problem."""
     try:
-        return parse_constraint(body.response_format, body.structured_outputs)
+        spec = tool_constraint(tools, fmt)
+        if spec is None:
+            return parse_constraint(body.response_format, body.structured_outputs)
     except GrammarError as e:
         raise bad_request(e.message, e.param or "response_format") from None
+    format_given = body.response_format or body.structured_outputs
+    if format_given and (body.response_format or {}).get("type") != "text":
+        raise bad_request("response_format cannot be combined with tools unless "
+                          "tool_choice is 'none'", "response_format")
+    return spec
 
 
-# -- planning ---------------------------------------------------------------------------
-
-
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, object]]:
     """The request's messages as plain dicts (what a session stores): role, text content, and
     the tool fields when present."""
     out = []
     for m in body.messages:
         role = "system" if m.role == "developer" else m.role
-        msg: dict[str, Any] = {"role": role, "content": m.text()}
+        msg: dict[str, object] = {"role": role, "content": m.text()}
         if m.tool_calls:
             msg["tool_calls"] = m.tool_calls
         if m.tool_call_id is not None:
@@ -95,30 +107,30 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 def plan_chat(
     body: ChatCompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
-) -> list[Job]:
-    """The jobs of a chat request (its whole history for a session turn). Work here grows
-    with the request (schemas, template, tokens): the gateway calls it off the event loop,
-    and it checks the request's bounds (gateway/bounds.py) before that work."""
+) -> Plan:
+    """The plan of a chat request (its whole history for a session turn). It checks the
+    request's bounds (gateway/bounds.py) before the work that grows with it (schemas,
+    template, tokens)."""
     check_counts(body)
     check_schemas(body)
     check_prompt_chars(chat_chars(body), facts.max_model_len, "messages")
     fmt = tok.call_format
-    tools = resolve_tools(body)  # once: checking the tools' schemas is the slow part
-    constraint = resolve_constraint(body, fmt or HERMES, tools)
-    messages, rendered_tools = render_messages(body, native=fmt is not None, choice=tools)
+    tools = resolve_tools(body)  # checking the tools' schemas is the slow part: once
+    constraint = resolve_constraint(body, tools, fmt or HERMES)
+    messages, rendered_tools = render_messages(body, tools, native=fmt is not None)
     try:
         prompt = tok.chat_prompt(messages, rendered_tools)
     except InvalidRequestError as e:
         raise bad_request(e.message, e.param) from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _jobs([prompt], body, logprobs, tok, facts, adapter, prompt_param="messages",
-                 constraint=constraint)
+    jobs = _jobs([prompt], body, logprobs, constraint, tok, facts, adapter, "messages")
+    return Plan(jobs, constraint)
 
 
 def plan_completion(
     body: CompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
-) -> list[Job]:
-    """The jobs of a text completion; like `plan_chat`, for a worker thread."""
+) -> Plan:
+    """The plan of a text completion: one job per prompt and choice."""
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of not in (None, 1, body.n):
@@ -131,20 +143,22 @@ def plan_completion(
             check_prompt_chars(len(p), facts.max_model_len, "prompt")
     constraint = resolve_constraint(body)
     prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
-    return _jobs(prompts, body, body.logprobs, tok, facts, adapter, prompt_param="prompt",
-                 constraint=constraint)
+    jobs = _jobs(prompts, body, body.logprobs, constraint, tok, facts, adapter, "prompt")
+    return Plan(jobs, constraint)
 
 
 def _jobs(
     prompts: list[list[int]],
     body: ChatCompletionRequest | CompletionRequest,
     logprobs: int | None,
+    constraint: ConstraintSpec | None,
     tok: GatewayTokenizer,
     facts: EngineFacts,
     adapter: str | None,
     prompt_param: str,
-    constraint: ConstraintSpec | None = None,
 ) -> list[Job]:
+    """One job per prompt and choice, each validated by the engine; its refusal is a 400
+    (`prompt_param`: the field that holds the prompt)."""
     bias = _logit_bias(body.logit_bias, tok.vocab_size)
     jobs = []
     for p, ids in enumerate(prompts):
@@ -167,7 +181,7 @@ def _params(
     facts: EngineFacts,
     adapter: str | None,
     choice: int,
-    constraint: ConstraintSpec | None = None,
+    constraint: ConstraintSpec | None,
 ) -> SamplingParams:
     max_tokens = body.output_limit
     if max_tokens is None:  # what is left of the context, capped by the config
@@ -191,9 +205,7 @@ def _params(
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty or 1.0,
         logit_bias=bias,
-        response_format=body.response_format,
-        structured_outputs=body.structured_outputs,
-        constraint=constraint,  # parsed once per request, not once per choice
+        constraint=constraint,  # parsed once per request, shared by its choices
         adapter=adapter,
     )
 

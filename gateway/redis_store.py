@@ -35,6 +35,10 @@ ADAPTERS = "switchboard:adapters:"
 SESSION = "switchboard:session:"
 AFFINITY = "switchboard:affinity:"
 
+# A redis.asyncio.Redis client. redis-py types every result `T | Awaitable[T]` (one class
+# serves its sync and async clients), so typing it buys nothing but casts at each call.
+Redis = Any
+
 
 def limit_keys(tenant: str) -> list[str]:
     """The tenant's token bucket and in-flight counts (the admission script's KEYS)."""
@@ -47,15 +51,15 @@ def adapter_files(tenant: str, name: str, version: str) -> str:
 
 @dataclass
 class Clients:
-    text: Any  # redis.asyncio.Redis, strings in and out
-    files: Any  # redis.asyncio.Redis, bytes in and out, a longer timeout for adapter files
+    text: Redis  # strings in and out
+    files: Redis  # bytes in and out, a longer timeout for adapter files
 
     async def close(self) -> None:
         await self.text.aclose()
         await self.files.aclose()
 
 
-def connect(url: str, decode: bool = True, timeout_s: float = 5.0) -> Any:
+def connect(url: str, decode: bool = True, timeout_s: float = 5.0) -> Redis:
     """One client (lazily connected; the pool reconnects by itself once Redis is back)."""
     import redis.asyncio as aioredis  # only deployments given --redis-url need the package
     from redis.asyncio.retry import Retry

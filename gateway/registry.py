@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.redis_store import REPLICA, REPLICAS
+from gateway.redis_store import REPLICA, REPLICAS, Redis
 
 HEARTBEAT_S = 1.0
 TTL_S = 5
@@ -43,7 +43,7 @@ class ReplicaInfo:
         return f"{self.model} ({self.base})"
 
 
-async def publish(redis: Any, info: ReplicaInfo) -> None:
+async def publish(redis: Redis, info: ReplicaInfo) -> None:
     """One heartbeat: write the record and restart its TTL."""
     key = REPLICA + info.id
     record = {k: str(int(v)) if isinstance(v, bool) else str(v) for k, v in asdict(info).items()}
@@ -54,7 +54,7 @@ async def publish(redis: Any, info: ReplicaInfo) -> None:
     await pipe.execute()
 
 
-async def withdraw(redis: Any, replica_id: str) -> None:
+async def withdraw(redis: Redis, replica_id: str) -> None:
     """A clean stop: routers stop sending at once instead of after the TTL."""
     pipe = redis.pipeline(transaction=True)
     pipe.delete(REPLICA + replica_id)
@@ -62,7 +62,7 @@ async def withdraw(redis: Any, replica_id: str) -> None:
     await pipe.execute()
 
 
-async def live_replicas(redis: Any) -> list[ReplicaInfo]:
+async def live_replicas(redis: Redis) -> list[ReplicaInfo]:
     """Every replica whose heartbeat has not expired (ready or not)."""
     ids = sorted(await redis.smembers(REPLICAS))
     pipe = redis.pipeline(transaction=False)
@@ -77,7 +77,7 @@ async def live_replicas(redis: Any) -> list[ReplicaInfo]:
 
 def _parse(record: dict[str, str]) -> ReplicaInfo:
     types = {f.name: f.type for f in fields(ReplicaInfo)}
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {}  # Any: each value has its field's type, parsed below
     for name, raw in record.items():
         kind = types.get(name)
         if kind == "bool":

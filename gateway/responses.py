@@ -7,11 +7,11 @@ Both formats offer the same three methods the serving code calls: `body` (the wh
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from engine.messages import RequestOutput, TokenLogprob
 from gateway.generation import Choice, Generation
 from gateway.tokenizer import GatewayTokenizer
+from grammar.spec import ConstraintSpec
 from grammar.tool_parser import Arguments, CallStart, Event, Text, ToolCallParser
 from grammar.tools import call_format, valid_calls
 
@@ -27,7 +27,7 @@ class ChatFormat:
         self._parsers: dict[int, ToolCallParser] = {}  # choice index -> its stream's parser
         self._ids: dict[tuple[int, int], str] = {}  # (choice, call) -> call id
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         choices = []
         for c in self.gen.ordered:
             message, finish = self.message(c)
@@ -36,11 +36,12 @@ class ChatFormat:
                             "finish_reason": finish})
         return self._envelope("chat.completion", choices, usage=self.gen.usage())
 
-    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
-        if _tool_spec(choice) is not None:
-            return self._tool_chunks(choice, out)
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, object]]:
+        spec = _tool_spec(choice)
+        if spec is not None:
+            return self._tool_chunks(choice, spec, out)
         chunks = []
-        delta: dict[str, Any] = {}
+        delta: dict[str, object] = {}
         if choice.index not in self._started:
             self._started.add(choice.index)
             delta = {"role": "assistant", "content": ""}
@@ -55,7 +56,7 @@ class ChatFormat:
 
     # -- tool calls -----------------------------------------------------------------------
 
-    def message(self, c: Choice) -> tuple[dict[str, Any], str | None]:
+    def message(self, c: Choice) -> tuple[dict[str, object], str | None]:
         spec = _tool_spec(c)
         if spec is None:
             return {"role": "assistant", "content": c.text}, c.finish_reason
@@ -65,7 +66,7 @@ class ChatFormat:
         parsed.feed(c.text, final=True)
         calls = valid_calls(spec, parsed.result.calls)
         # No text: `content` is null, as OpenAI's, whether or not a call came out.
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.result.content}
+        message: dict[str, object] = {"role": "assistant", "content": parsed.result.content}
         if calls:
             message["tool_calls"] = [
                 {"id": self._call_id(c.index, i), "type": "function",
@@ -74,10 +75,12 @@ class ChatFormat:
             ]
         return message, _finish(c, bool(calls))
 
-    def _tool_chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
+    def _tool_chunks(
+        self, choice: Choice, spec: ConstraintSpec, out: RequestOutput
+    ) -> list[dict[str, object]]:
         parser = self._parsers.get(choice.index)
         if parser is None:
-            parser = self._parsers[choice.index] = ToolCallParser(call_format(_tool_spec(choice)))
+            parser = self._parsers[choice.index] = ToolCallParser(call_format(spec))
         deltas = [self._delta(choice.index, e) for e in parser.feed(out.new_text, out.finished)]
         deltas = [d for d in deltas if d]
         if choice.index not in self._started:
@@ -93,7 +96,7 @@ class ChatFormat:
             chunks.append(self._chunk(choice.index, {}, None, _finish(choice, calls)))
         return chunks
 
-    def _delta(self, index: int, e: Event) -> dict[str, Any]:
+    def _delta(self, index: int, e: Event) -> dict[str, object]:
         if isinstance(e, Text):
             return {"content": e.text}
         if isinstance(e, CallStart):
@@ -107,20 +110,23 @@ class ChatFormat:
     def _call_id(self, choice: int, call: int) -> str:
         return self._ids.setdefault((choice, call), f"call_{uuid.uuid4().hex[:24]}")
 
-    def usage_chunk(self) -> dict[str, Any]:
+    def usage_chunk(self) -> dict[str, object]:
         return self._envelope("chat.completion.chunk", [], usage=self.gen.usage())
 
-    def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any, finish: str | None):
+    def _chunk(self, index: int, delta: dict[str, object], logprobs: dict[str, object] | None,
+               finish: str | None) -> dict[str, object]:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope("chat.completion.chunk", [choice], **extra)
 
-    def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    def _envelope(
+        self, obj: str, choices: list[dict[str, object]], **extra: object
+    ) -> dict[str, object]:
         return {"id": self.gen.response_id, "object": obj, "created": self.gen.created,
                 "model": self.model, "system_fingerprint": None, "choices": choices, **extra}
 
-    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, object]:
+        def entry(token_id: int, logprob: float) -> dict[str, object]:
             text = self.tok.token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -130,7 +136,7 @@ class ChatFormat:
         ]}
 
 
-def _tool_spec(c: Choice):
+def _tool_spec(c: Choice) -> ConstraintSpec | None:
     spec = c.job.params.constraint
     return spec if spec is not None and spec.kind == "tool_calls" else None
 
@@ -147,7 +153,7 @@ class CompletionFormat:
         self._started: set[int] = set()
         self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         choices = []
         for c in self.gen.ordered:
             lp = None
@@ -158,7 +164,7 @@ class CompletionFormat:
                             "finish_reason": c.finish_reason})
         return self._envelope("text_completion", choices, usage=self.gen.usage())
 
-    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, object]]:
         text = out.new_text
         if choice.index not in self._started:
             self._started.add(choice.index)
@@ -171,17 +177,19 @@ class CompletionFormat:
         extra = {"usage": None} if self.include_usage else {}
         return [self._envelope("text_completion", [item], **extra)]
 
-    def usage_chunk(self) -> dict[str, Any]:
+    def usage_chunk(self) -> dict[str, object]:
         return self._envelope("text_completion", [], usage=self.gen.usage())
 
     def _prefix(self, c: Choice) -> str:
         return self.tok.decode(c.job.prompt_ids) if self.echo else ""
 
-    def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    def _envelope(
+        self, obj: str, choices: list[dict[str, object]], **extra: object
+    ) -> dict[str, object]:
         return {"id": self.gen.response_id, "object": obj, "created": self.gen.created,
                 "model": self.model, "system_fingerprint": None, "choices": choices, **extra}
 
-    def _logprobs(self, c: Choice, lps: list[TokenLogprob]) -> dict[str, Any]:
+    def _logprobs(self, c: Choice, lps: list[TokenLogprob]) -> dict[str, object]:
         tokens, offsets = [], []
         offset = self._offsets.get(c.index, 0)
         for lp in lps:

@@ -1,13 +1,14 @@
 """OpenAI request bodies (pydantic), validated strictly from the raw JSON.
 
 Unknown fields are kept (`extra="allow"`) and ignored, as OpenAI's own server tolerates new
-client fields. Fields that later issues implement (`response_format`, `tools`, `session_id`,
-adapters as `model`) are declared here and resolved in gateway/params.py.
+client fields. The bodies are only shapes: `model` (base model or adapter), `response_format`,
+`structured_outputs` and `tools` are resolved in gateway/params.py, `session_id` in
+gateway/sessions.py.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -36,7 +37,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
+    tool_calls: list[dict[str, object]] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this message answers
 
     @model_validator(mode="after")
@@ -86,10 +87,10 @@ class _Generation(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     stop_token_ids: list[int] | None = None
 
-    # Extension points, resolved (today: refused or ignored) in gateway/params.py.
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's extra field
-    session_id: str | None = None
+    # Structured output, parsed into one constraint in gateway/params.py.
+    response_format: dict[str, object] | None = None
+    structured_outputs: dict[str, object] | None = None  # vLLM's extra field
+    session_id: str | None = None  # a session's turn (gateway/sessions.py)
 
     @field_validator("stop")
     @classmethod
@@ -123,9 +124,9 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Tool calls, resolved in gateway/tools.py.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Tool calls: validated in gateway/tools.py, the constraint built in gateway/params.py.
+    tools: list[dict[str, object]] | None = None
+    tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
@@ -148,7 +149,7 @@ class CompletionRequest(_Generation):
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v: Any) -> Any:
+    def _non_empty(cls, v: object) -> object:
         if isinstance(v, list) and not v:
             raise ValueError("the prompt list is empty")
         return v
@@ -162,5 +163,6 @@ class CompletionRequest(_Generation):
         if isinstance(self.prompt, str):
             return [self.prompt]
         if self.prompt and isinstance(self.prompt[0], int):
+            # list[int]: mypy does not narrow a list by its first item
             return [self.prompt]  # type: ignore[list-item]
-        return self.prompt  # type: ignore[return-value]
+        return self.prompt  # type: ignore[return-value]  # list[str] or list[list[int]], as above

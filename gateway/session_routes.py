@@ -8,7 +8,6 @@ requests never touch the store.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -18,7 +17,7 @@ from gateway.body import read_body
 from gateway.errors import bad_request
 from gateway.params import resolve_adapter
 from gateway.runtime import Runtime
-from gateway.session_store import Session, StoreUnavailable
+from gateway.session_store import Message, Session, StoreUnavailable
 from gateway.sessions import CreateSession, ForkSession, find_session, store_unavailable
 
 
@@ -32,25 +31,29 @@ def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Callable[..., st
     @app.post("/v1/sessions")
     async def create_session(
         request: Request, tenant: str = Depends(authenticate)
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         body = await read_body(request, CreateSession, limit)
         await ensure_adapter(rt, tenant, body.model)
         resolve_adapter(body.model, rt.config.model_name, tenant, rt.engine.adapters)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        messages: list[Message] = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in body.messages
+        ]
         session = Session(tenant=tenant, model=body.model, messages=messages, tools=body.tools,
                           ttl_seconds=body.ttl_seconds)
         await store.create(session)
         return session.public()
 
     @app.get("/v1/sessions/{session_id}")
-    async def get_session(session_id: str, tenant: str = Depends(authenticate)) -> dict[str, Any]:
+    async def get_session(
+        session_id: str, tenant: str = Depends(authenticate)
+    ) -> dict[str, object]:
         return (await find_session(store, tenant, session_id)).public()
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(
         session_id: str, tenant: str = Depends(authenticate)
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         await find_session(store, tenant, session_id)
         await store.delete(tenant, session_id)
         rt.engine.release_session(session_id)
@@ -59,7 +62,7 @@ def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Callable[..., st
     @app.post("/v1/sessions/{session_id}/fork")
     async def fork_session(
         session_id: str, request: Request, tenant: str = Depends(authenticate)
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         body = await read_body(request, ForkSession, limit, default=ForkSession())
         parent = await find_session(store, tenant, session_id)
         index = len(parent.messages) if body.message_index is None else body.message_index

@@ -18,11 +18,10 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from gateway.redis_store import SESSION, unreachable
+from gateway.redis_store import SESSION, Redis, unreachable
 
-Message = dict[str, Any]
+Message = dict[str, object]  # a chat message, as JSON: role, content, the tool fields
 
 
 class StoreUnavailable(RuntimeError):
@@ -34,7 +33,7 @@ class Session:
     tenant: str
     model: str
     messages: list[Message] = field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, object]] | None = None
     ttl_seconds: int | None = None  # None: never expires
     id: str = field(default_factory=lambda: f"sess_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
@@ -44,7 +43,7 @@ class Session:
         return replace(self, messages=list(self.messages[:num_messages]),
                        id=f"sess_{uuid.uuid4().hex}", created=int(time.time()))
 
-    def public(self) -> dict[str, Any]:
+    def public(self) -> dict[str, object]:
         """The HTTP body for this session."""
         return {"id": self.id, "object": "session", "created": self.created,
                 "model": self.model, "tools": self.tools, "ttl_seconds": self.ttl_seconds,
@@ -116,7 +115,7 @@ class RedisStore(SessionStore):
     was lost may have been applied, and a retried RPUSH would store the turn twice. A failure
     is a 503 and the client retries the turn. The client's owner closes it."""
 
-    def __init__(self, redis: Any, prefix: str = SESSION):
+    def __init__(self, redis: Redis, prefix: str = SESSION):
         self._redis = redis
         self.prefix = prefix
 
@@ -167,7 +166,7 @@ class RedisStore(SessionStore):
             await self._redis.delete(key, key + ":messages")
         return True
 
-    def _expire(self, pipe: Any, session: Session) -> None:
+    def _expire(self, pipe: Redis, session: Session) -> None:
         if session.ttl_seconds is not None:
             key = self.prefix + session.id
             pipe.expire(key, session.ttl_seconds)

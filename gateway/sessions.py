@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,14 +31,15 @@ class CreateSession(BaseModel):
 
     model: str
     messages: list[ChatMessage] = Field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
-    ttl_seconds: int | None = Field(None, ge=1)
+    tools: list[dict[str, object]] | None = None
+    ttl_seconds: int | None = Field(default=None, ge=1)
 
 
 class ForkSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    message_index: int | None = Field(None, ge=0, description="keep messages[:message_index]")
+    message_index: int | None = Field(default=None, ge=0,
+                                      description="keep messages[:message_index]")
 
 
 def session_not_found(session_id: str) -> APIError:
@@ -110,5 +111,6 @@ class SessionTurn:
                         yield event(store_unavailable(err).body())
                 yield e
         finally:
+            # an async generator (gateway/sse.py's), typed as the AsyncIterator it returns
             await events.aclose()  # type: ignore[attr-defined]
 

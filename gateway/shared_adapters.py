@@ -19,9 +19,9 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
-from gateway.adapter_store import SharedAdapterStore
+from engine.protocols import AdapterRegistry
+from gateway.adapter_store import AdapterEntry, SharedAdapterStore
 from gateway.errors import APIError, bad_request, clip
 from gateway.redis_store import unreachable
 from lora.quota import AdapterQuota, QuotaExceeded
@@ -29,10 +29,9 @@ from lora.quota import AdapterQuota, QuotaExceeded
 log = logging.getLogger(__name__)
 
 
-
 class SharedAdapters:
-    def __init__(self, store: SharedAdapterStore, manager: Callable[[], Any]):
-        """`manager()`: the engine's adapter manager."""
+    def __init__(self, store: SharedAdapterStore, manager: Callable[[], AdapterRegistry | None]):
+        """`manager()`: the engine's adapter manager (None until the engine is loaded)."""
         self.store, self.manager = store, manager
         self.versions: dict[tuple[str, str], str] = {}  # what this replica registered
         self._locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -45,7 +44,7 @@ class SharedAdapters:
         registry. With Redis unreachable, it keeps what it has."""
         if await self._in_step(tenant, name):
             return
-        manager = self.manager()
+        manager = self._local()
         async with self.lock(tenant, name):
             async with unavailable():
                 meta = await self.store.get(tenant, name)
@@ -66,12 +65,14 @@ class SharedAdapters:
         except unreachable() as e:
             log.warning("adapter registry unreachable (%s); using local adapters", e)
             return True
-        here = self.manager().get(tenant, name) is not None
+        here = self._local().get(tenant, name) is not None
         if meta is None:
             return not here
         return here and self.versions.get((tenant, name)) == meta["version"]
 
-    async def _fetch(self, manager: Any, tenant: str, name: str, version: str) -> None:
+    async def _fetch(
+        self, manager: AdapterRegistry, tenant: str, name: str, version: str
+    ) -> None:
         folder = staging_dir(manager)
         try:
             async with unavailable():
@@ -91,14 +92,14 @@ class SharedAdapters:
         async with unavailable():
             if await self.store.get(tenant, name) is not None:
                 raise exists(name)
-        await asyncio.to_thread(self.manager().remove, tenant, name)
+        await asyncio.to_thread(self._local().remove, tenant, name)
 
     async def usage(self, tenant: str) -> tuple[int, int]:
         """The tenant's adapters fleet-wide: how many, and the bytes of their files."""
         async with unavailable():
             return await self.store.usage(tenant)
 
-    async def publish(self, tenant: str, name: str, obj: dict[str, Any],
+    async def publish(self, tenant: str, name: str, obj: dict[str, object],
                       files: dict[str, bytes], quota: AdapterQuota) -> bool:
         """Register a validated upload (already in the local manager). False: name taken.
         Raises `QuotaExceeded` (checked in Redis, atomically across replicas)."""
@@ -109,11 +110,11 @@ class SharedAdapters:
             self.versions[(tenant, name)] = version
         return version is not None
 
-    async def list(self, tenant: str) -> list[dict[str, Any]]:
+    async def list(self, tenant: str) -> list[dict[str, object]]:
         async with unavailable():
             return [self._view(tenant, m) for m in await self.store.list(tenant)]
 
-    async def get(self, tenant: str, name: str) -> dict[str, Any] | None:
+    async def get(self, tenant: str, name: str) -> dict[str, object] | None:
         async with unavailable():
             meta = await self.store.get(tenant, name)
         return None if meta is None else self._view(tenant, meta)
@@ -122,23 +123,34 @@ class SharedAdapters:
         async with self.lock(tenant, name), unavailable():
             meta = await self.store.get(tenant, name)
             deleted = meta is not None and await self.store.delete(tenant, name, meta["version"])
-        await asyncio.to_thread(self.manager().remove, tenant, name)
+        await asyncio.to_thread(self._local().remove, tenant, name)
         self.versions.pop((tenant, name), None)
         return deleted
 
-    def _view(self, tenant: str, meta: dict[str, Any]) -> dict[str, Any]:
-        """The adapter object: the shared entry, with this replica's tier ("store": not
+    def _view(self, tenant: str, meta: AdapterEntry) -> dict[str, object]:
+        """The adapter object: the shared entry `meta`, with this replica's tier ("store": not
         fetched here yet)."""
         name, version = meta["id"], meta["version"]
-        local = self.manager().get(tenant, name)
-        here = local is not None and self.versions.get((tenant, name)) == version
+        local = self._local().get(tenant, name)
         obj = {k: v for k, v in meta.items() if k != "version"}
-        return {**obj, "pinned": here and local.pinned, "tier": local.tier if here else "store"}
+        if local is None or self.versions.get((tenant, name)) != version:
+            return {**obj, "pinned": False, "tier": "store"}
+        return {**obj, "pinned": local.pinned, "tier": local.tier}
+
+    def _local(self) -> AdapterRegistry:
+        """This replica's manager; the routes check that the engine has one before they
+        come here."""
+        manager = self.manager()
+        if manager is None:
+            raise RuntimeError("the engine has no adapter manager")
+        return manager
 
 
-def staging_dir(manager: Any) -> Path:
+def staging_dir(manager: AdapterRegistry) -> Path:
     """A fresh folder inside the store (same file system, so registering is a rename)."""
-    path = Path(manager.store_dir) / ".staging" / uuid.uuid4().hex
+    if manager.store_dir is None:  # the gateway always gives the engine one (--adapter-dir)
+        raise RuntimeError("the engine's adapter manager has no store directory")
+    path = manager.store_dir / ".staging" / uuid.uuid4().hex
     path.mkdir(parents=True)
     return path
 

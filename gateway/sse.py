@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -22,11 +22,11 @@ DONE = "data: [DONE]\n\n"
 
 
 class StreamFormat(Protocol):
-    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]: ...
-    def usage_chunk(self) -> dict[str, Any]: ...
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, object]]: ...
+    def usage_chunk(self) -> dict[str, object]: ...
 
 
-def event(data: dict[str, Any]) -> str:
+def event(data: dict[str, object]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 

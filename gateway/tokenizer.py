@@ -16,6 +16,9 @@ from grammar.tool_parser import HERMES, LLAMA3_JSON, CallFormat
 
 
 class GatewayTokenizer:
+    # Any: a transformers tokenizer. Its stubs type each method for every input and output
+    # form at once (`apply_chat_template` returns str | list[int] | BatchEncoding | ...), and
+    # its message type (dict[str, str]) is narrower than the tool messages sent here.
     def __init__(self, hf_tokenizer: Any):
         self.hf = hf_tokenizer
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
@@ -46,7 +49,7 @@ class GatewayTokenizer:
         return None
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, object]], tools: list[dict[str, object]] | None = None
     ) -> list[int]:
         """Token ids of the conversation in the model's chat template, ready for the
         assistant's turn. `tools` only for templates that render them (`call_format`)."""

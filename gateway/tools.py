@@ -1,24 +1,24 @@
 """Tool calling at the edge: validate `tools` / `tool_choice` / tool histories (400s naming the
-problem) and render tool conversations for the chat template.
+problem) and render tool conversations for the chat template. The planner (gateway/params.py)
+resolves the tools once and hands the result to both the constraint and the prompt.
 
 Templates that speak a call format the grammar knows (Hermes `<tool_call>`: Qwen2.5, Hermes 2/3,
 SmolLM3; Llama 3.1's JSON calls) get the tools and structured tool messages natively, and the
-grammar enforces that format. Any other template
-(SmolLM2, Llama 2, ...) gets the generic fallback: the tool list and the call format in the
-system message, assistant calls written out as `<tool_call>` blocks, tool results as user
-messages wrapped in `<tool_response>`. The fallback uses the Hermes format.
+grammar enforces that format. Any other template (SmolLM2, Llama 2, ...) gets the generic
+fallback: the tool list and the call format in the system message, assistant calls written out
+as `<tool_call>` blocks, tool results as user messages wrapped in `<tool_response>`. The
+fallback uses the Hermes format.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from gateway.errors import bad_request
-from gateway.schemas import ChatCompletionRequest
-from grammar.spec import ConstraintSpec, GrammarError
-from grammar.tool_parser import HERMES, CallFormat, render_call
-from grammar.tools import ToolChoice, parse_tools, tool_constraint
+from gateway.schemas import ChatCompletionRequest, ChatMessage
+from grammar.spec import GrammarError
+from grammar.tool_parser import render_call
+from grammar.tools import ToolChoice, parse_tools
 
 FALLBACK_SYSTEM = """# Tools
 
@@ -44,29 +44,14 @@ def resolve_tools(body: ChatCompletionRequest) -> ToolChoice | None:
         raise bad_request(e.message, e.param or "tools") from None
 
 
-def tools_constraint(
-    body: ChatCompletionRequest, fmt: CallFormat = HERMES, choice: ToolChoice | None = None
-) -> ConstraintSpec | None:
-    """The tool-call constraint in format `fmt` (None when calls are off); refuses
-    `response_format` beside active tools, since the output is then the call format.
-    `choice`: the body's tools already resolved (else resolved here)."""
-    spec = tool_constraint(choice or resolve_tools(body), fmt)
-    if spec is not None and (body.response_format or body.structured_outputs):
-        if (body.response_format or {}).get("type") != "text":
-            raise bad_request("response_format cannot be combined with tools unless "
-                              "tool_choice is 'none'", "response_format")
-    return spec
-
-
 def render_messages(
-    body: ChatCompletionRequest, native: bool, choice: ToolChoice | None = None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) for the chat template. `native`: the template renders tools and tool
-    messages itself; else the fallback prompt above. Checks that every `tool` message answers
-    a call of an earlier assistant message. `choice`: the body's tools already resolved."""
-    choice = choice or resolve_tools(body)
+    body: ChatCompletionRequest, choice: ToolChoice | None, native: bool
+) -> tuple[list[dict[str, object]], list[dict[str, object]] | None]:
+    """(messages, tools) for the chat template. `choice`: the body's tools (`resolve_tools`).
+    `native`: the template renders tools and tool messages itself; else the fallback prompt
+    above. Checks that every `tool` message answers a call of an earlier assistant message."""
     call_ids: set[str] = set()
-    messages: list[dict[str, Any]] = []
+    messages: list[dict[str, object]] = []
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else m.role
         calls = _tool_calls(m, i) if role == "assistant" else []
@@ -87,29 +72,32 @@ def render_messages(
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     prompt = FALLBACK_SYSTEM.format(tools=listing)
     if messages and messages[0]["role"] == "system":
-        messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}
+        messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
     else:
         messages.insert(0, {"role": "system", "content": prompt})
     return messages, None
 
 
-def _tool_calls(m: Any, i: int) -> list[dict[str, Any]]:
+def _tool_calls(m: ChatMessage, i: int) -> list[dict[str, str]]:
     """An assistant message's calls as {id, name, arguments}; a 400 when malformed."""
     out = []
     for j, c in enumerate(m.tool_calls or []):
         p = f"messages[{i}].tool_calls[{j}]"
+        call_id = c.get("id") if isinstance(c, dict) else None
         fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(c, dict) or not isinstance(c.get("id"), str) or not isinstance(fn, dict):
+        if not isinstance(call_id, str) or not isinstance(fn, dict):
             raise bad_request(f"{p} must have an 'id' string and a 'function' object", p)
         name, args = fn.get("name"), fn.get("arguments", "{}")
         if not isinstance(name, str) or not isinstance(args, str):
             raise bad_request(f"{p}.function needs 'name' and 'arguments' strings", p)
-        out.append({"id": c["id"], "name": name, "arguments": args})
+        out.append({"id": call_id, "name": name, "arguments": args})
     return out
 
 
-def _native(role: str, text: str, calls: list[dict[str, Any]], call_id: str | None):
-    msg: dict[str, Any] = {"role": role, "content": text}
+def _native(
+    role: str, text: str, calls: list[dict[str, str]], call_id: str | None
+) -> dict[str, object]:
+    msg: dict[str, object] = {"role": role, "content": text}
     if calls:
         msg["tool_calls"] = [
             {"id": c["id"], "type": "function",
@@ -121,7 +109,9 @@ def _native(role: str, text: str, calls: list[dict[str, Any]], call_id: str | No
     return msg
 
 
-def _fallback(role: str, text: str, calls: list[dict[str, Any]], before: list[dict[str, Any]]):
+def _fallback(
+    role: str, text: str, calls: list[dict[str, str]], before: list[dict[str, object]]
+) -> dict[str, object]:
     if calls:
         blocks = "\n".join(render_call(c["name"], c["arguments"]) for c in calls)
         return {"role": "assistant", "content": f"{text}\n{blocks}" if text else blocks}
@@ -130,12 +120,12 @@ def _fallback(role: str, text: str, calls: list[dict[str, Any]], before: list[di
         prev = before[-1] if before else None
         if prev is not None and prev.get("_tool"):  # consecutive results: one user turn
             before.pop()
-            block = prev["content"] + "\n" + block
+            block = f"{prev['content']}\n{block}"
         return {"role": "user", "content": block, "_tool": True}
     return {"role": role, "content": text}
 
 
-def _loads(args: str) -> Any:
+def _loads(args: str) -> object:
     try:
         return json.loads(args)
     except json.JSONDecodeError:

@@ -98,6 +98,8 @@ class Backend(ABC):
     @abstractmethod
     def __init__(self, vocab: TokenVocab): ...
 
+    # Any: each backend's own artifact type (xgrammar's and llguidance's JSON text, an
+    # outlines-core Index); only the backend that made an artifact loads it.
     @abstractmethod
     def compile(self, spec: ConstraintSpec) -> Any:
         """Compile `spec` into a picklable artifact. Runs in a compile worker; raises

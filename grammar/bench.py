@@ -18,13 +18,34 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from grammar.backend import CompiledGrammar, Matcher
+    from grammar.spec import GrammarError
 
 Status = str  # "pass" | "compile_error" | "timeout" | "validation_error"
 CHOICES = ("auto", "xgrammar", "outlines", "llguidance", "llguidance-relaxed")
 WINDOW = 2  # compilations submitted ahead of the case being checked
+
+
+class Instance(TypedDict):
+    data: object  # a JSON value
+    valid: bool  # whether it satisfies the case's schema
+
+
+class Case(TypedDict):
+    """A MaskBench file."""
+
+    schema: object
+    tests: list[Instance]
 
 
 @dataclass
@@ -45,7 +66,7 @@ def case_files(paths: list[str]) -> list[Path]:
     return out
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer of the HF folder `path` (`switchboard grammar-bench` passes the embedded
     SmolLM2's)."""
     from transformers import AutoTokenizer
@@ -55,7 +76,7 @@ def load_tokenizer(path: str) -> Any:
 
 def run_cases(
     files: list[Path],
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     backends: tuple[str, ...],
     timeout_s: float,
     memory_limit_mb: int | None = 2048,
@@ -78,10 +99,12 @@ def run_cases(
         bitmask = torch.zeros(1, (compiler.vocab_size + 31) // 32, dtype=torch.int32)
         stop = compiler.vocab.stop_token_ids[0]
 
-        def submit(path: Path) -> tuple[dict[str, Any], Any]:
-            case = json.loads(path.read_text())
+        def submit(path: Path) -> tuple[Case, Future[CompiledGrammar] | GrammarError]:
+            case: Case = json.loads(path.read_text())
             try:
-                return case, compiler.submit(parse_structured_outputs({"json": case["schema"]}))
+                spec = parse_structured_outputs({"json": case["schema"]})
+                assert spec is not None  # a json schema always makes a spec
+                return case, compiler.submit(spec)
             except GrammarError as e:  # refused before compiling (metaschema, $ref)
                 return case, e
 
@@ -94,7 +117,12 @@ def run_cases(
 
 
 def check_case(
-    name: str, case: dict[str, Any], fut: Any, tokenizer: Any, bitmask: Any, stop: int
+    name: str,
+    case: Case,
+    fut: Future[CompiledGrammar] | GrammarError,
+    tokenizer: PreTrainedTokenizerBase,
+    bitmask: torch.Tensor,
+    stop: int,
 ) -> CaseResult:
     from grammar.spec import GrammarError
 
@@ -117,7 +145,9 @@ def check_case(
     return result
 
 
-def accepts(m: Any, ids: list[int], stop: int, bitmask: Any, mask_us: list[float]) -> bool:
+def accepts(
+    m: Matcher, ids: list[int], stop: int, bitmask: torch.Tensor, mask_us: list[float]
+) -> bool:
     """Feed `ids` then `stop`, filling the mask before each (timed into `mask_us`)."""
     words = bitmask[0].numpy()  # a view: sees each fill
     for t in [*ids, stop]:
@@ -129,7 +159,7 @@ def accepts(m: Any, ids: list[int], stop: int, bitmask: Any, mask_us: list[float
     return m.is_terminated()
 
 
-def summarize(results: list[CaseResult], backend: str) -> dict[str, Any]:
+def summarize(results: list[CaseResult], backend: str) -> dict[str, object]:
     """The JSON summary: counts by status and p50/p99 of mask and compile times."""
     counts = Counter(r.status for r in results)
     masks = [us for r in results for us in r.mask_us]
@@ -154,7 +184,7 @@ def summarize(results: list[CaseResult], backend: str) -> dict[str, Any]:
     }
 
 
-def print_table(summary: dict[str, Any]) -> None:
+def print_table(summary: dict[str, object]) -> None:
     from rich.console import Console
     from rich.table import Table
 

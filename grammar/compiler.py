@@ -22,13 +22,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from grammar.backend import Backend, CompiledGrammar, Unsatisfiable
 from grammar.backends import BACKEND_NAMES, make_backend
 from grammar.spec import ConstraintSpec, GrammarError
 from grammar.vocab import TokenVocab
 from grammar.worker import MAX_ARTIFACT_BYTES, CompileWorker
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TRIM_AFTER_BYTES = 1 << 20  # artifacts whose load is followed by returning freed heap to the OS
 
@@ -53,7 +56,7 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         *,
         backends: Sequence[str] = BACKEND_NAMES,

@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from grammar.spec import DATA_KEYWORDS  # instances, not subschemas: never rewritten
 
 # Keywords whose values map names to subschemas: the names are not keywords.
@@ -44,17 +42,19 @@ def ascii_digits(regex: str) -> str:
 
 
 def rewrite_schema(
-    node: Any, drop_keys: frozenset[str] = frozenset(), drop_formats: frozenset[str] = frozenset()
-) -> Any:
+    node: object,
+    drop_keys: frozenset[str] = frozenset(),
+    drop_formats: frozenset[str] = frozenset(),
+) -> object:
     """`node` with ECMA `pattern`s, without the keywords `drop_keys` and without the
     `"format"`s named in `drop_formats`, in every subschema."""
 
-    def walk(x: Any) -> Any:
+    def walk(x: object) -> object:
         if isinstance(x, list):
             return [walk(v) for v in x]
         if not isinstance(x, dict):
             return x
-        out = {}
+        out: dict[str, object] = {}
         for k, v in x.items():
             if k in drop_keys or (k == "format" and isinstance(v, str) and v in drop_formats):
                 continue

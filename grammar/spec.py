@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import Literal
 
 import jsonschema
 import referencing
@@ -18,6 +18,7 @@ import referencing.exceptions
 from referencing.jsonschema import DRAFT202012
 
 ConstraintKind = Literal["json_object", "json_schema", "regex", "grammar", "choice", "tool_calls"]
+JSONSchema = dict[str, object] | bool  # as parsed from JSON
 
 MAX_SPEC_BYTES = 4 << 20  # a schema, regex or grammar larger than this is refused at once
 # Objects and arrays in one JSON schema. Checking a schema against its metaschema is pure Python
@@ -78,7 +79,7 @@ class ConstraintSpec:
         text = json.dumps([self.kind, self.payload], ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def schema(self) -> dict[str, Any] | bool:
+    def schema(self) -> JSONSchema:
         """The JSON schema to enforce; json_object means any JSON object."""
         if self.kind == "json_object":
             return {"type": "object"}
@@ -89,10 +90,12 @@ class ConstraintSpec:
 
 
 def parse_constraint(
-    response_format: dict[str, Any] | None = None,
-    structured_outputs: dict[str, Any] | None = None,
+    response_format: dict[str, object] | None = None,
+    structured_outputs: dict[str, object] | None = None,
 ) -> ConstraintSpec | None:
-    """Parse a request's constraint fields; None when the request is unconstrained.
+    """Parse a request's constraint fields; None when the request is unconstrained. The one
+    reader of these fields: the gateway's planner calls it once per request (gateway/params.py)
+    and `SamplingParams` once per construction (the offline API); the engine gets the spec.
 
     Raises GrammarError when a field is malformed or both fields carry a constraint.
     """
@@ -106,7 +109,7 @@ def parse_constraint(
     return rf or so
 
 
-def parse_response_format(rf: Any) -> ConstraintSpec | None:
+def parse_response_format(rf: object) -> ConstraintSpec | None:
     """Parse OpenAI's `response_format` (plus the regex/grammar/choice extensions).
 
     `{"type": "text"}` means unconstrained and returns None.
@@ -143,7 +146,7 @@ def parse_response_format(rf: Any) -> ConstraintSpec | None:
     raise GrammarError(f"{p}.type must be one of {expected}; got {kind!r}", f"{p}.type")
 
 
-def parse_structured_outputs(so: Any) -> ConstraintSpec | None:
+def parse_structured_outputs(so: object) -> ConstraintSpec | None:
     """Parse vLLM's `structured_outputs` extra field: exactly one of json / regex / choice /
     grammar / json_object."""
     p = "structured_outputs"
@@ -173,10 +176,11 @@ def parse_structured_outputs(so: Any) -> ConstraintSpec | None:
         return ConstraintSpec("json_object", param=param)
     if k == "choice":
         return ConstraintSpec("choice", _choices(value, param), param=param)
-    return ConstraintSpec(k, _text(value, param), param=param)  # regex or grammar
+    kind: ConstraintKind = "regex" if k == "regex" else "grammar"
+    return ConstraintSpec(kind, _text(value, param), param=param)
 
 
-def _text(value: Any, param: str) -> str:
+def _text(value: object, param: str) -> str:
     if not isinstance(value, str) or not value:
         raise GrammarError(f"{param} must be a non-empty string", param)
     if len(value.encode()) > MAX_SPEC_BYTES:
@@ -184,7 +188,7 @@ def _text(value: Any, param: str) -> str:
     return value
 
 
-def _choices(value: Any, param: str) -> tuple[str, ...]:
+def _choices(value: object, param: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not value:
         raise GrammarError(f"{param} must be a non-empty list of strings", param)
     if not all(isinstance(c, str) for c in value):
@@ -194,7 +198,7 @@ def _choices(value: Any, param: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _json_schema_spec(schema: Any, param: str, name: str | None) -> ConstraintSpec:
+def _json_schema_spec(schema: object, param: str, name: str | None) -> ConstraintSpec:
     if schema is False:
         raise GrammarError(f"{param} is `false`: no value can satisfy it", param)
     if not isinstance(schema, dict | bool):
@@ -206,7 +210,7 @@ def _json_schema_spec(schema: Any, param: str, name: str | None) -> ConstraintSp
     return ConstraintSpec("json_schema", text, name, param)
 
 
-def check_json_schema(schema: dict[str, Any] | bool, param: str) -> None:
+def check_json_schema(schema: JSONSchema, param: str) -> None:
     """Check `schema` against its metaschema and that its local `$ref`s resolve; first that it
     has at most MAX_SCHEMA_NODES objects and arrays (the check's cost grows with them)."""
     if _more_nodes_than(schema, MAX_SCHEMA_NODES):
@@ -231,7 +235,7 @@ def check_json_schema(schema: dict[str, Any] | bool, param: str) -> None:
             raise GrammarError(f"$ref {ref!r} does not resolve", param) from e
 
 
-def _more_nodes_than(node: Any, limit: int) -> bool:
+def _more_nodes_than(node: object, limit: int) -> bool:
     """Whether `node` holds more than `limit` objects and arrays; stops counting past it."""
     count, stack = 0, [node]
     while stack:
@@ -248,7 +252,7 @@ def _more_nodes_than(node: Any, limit: int) -> bool:
     return False
 
 
-def _local_refs(node: Any) -> set[str]:
+def _local_refs(node: object) -> set[str]:
     """The `#...` references in `node`, skipping subtrees that set their own `$id`."""
     refs: set[str] = set()
     stack = [node]

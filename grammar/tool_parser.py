@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -207,7 +208,11 @@ def parse_tool_output(text: str, fmt: CallFormat = HERMES) -> ParsedOutput:
     return parser.result
 
 
-def arguments_error(call: ParsedCall, schema: dict | bool, validate) -> str | None:
+def arguments_error(
+    call: ParsedCall,
+    schema: dict[str, object] | bool,
+    validate: Callable[[dict[str, object] | bool, object], str | None],
+) -> str | None:
     """Why a parsed call's arguments are not a valid instance of `schema` (None: valid).
     `validate(schema, value)` returns a reason or None."""
     if not call.complete:

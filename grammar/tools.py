@@ -18,7 +18,7 @@ import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, NotRequired, TypedDict
 
 import jsonschema
 
@@ -27,6 +27,7 @@ from grammar.spec import (
     MAX_SPEC_BYTES,
     ConstraintSpec,
     GrammarError,
+    JSONSchema,
     check_json_schema,
 )
 from grammar.tool_parser import (
@@ -49,10 +50,10 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 class Tool:
     name: str
     description: str | None
-    parameters: dict[str, Any]  # a JSON schema for the arguments object
+    parameters: dict[str, object]  # a JSON schema for the arguments object
 
-    def openai(self) -> dict[str, Any]:
-        fn: dict[str, Any] = {"name": self.name}
+    def openai(self) -> dict[str, object]:
+        fn: dict[str, object] = {"name": self.name}
         if self.description:
             fn["description"] = self.description
         fn["parameters"] = self.parameters
@@ -69,7 +70,23 @@ class ToolChoice:
     parallel: bool
 
 
-def parse_tools(tools: Any, tool_choice: Any = None, parallel: Any = None) -> ToolChoice | None:
+class _AllowedTool(TypedDict):
+    name: str
+    parameters: dict[str, object]
+
+
+class _Payload(TypedDict):
+    """A `tool_calls` spec's payload, as JSON (`tool_constraint` writes it)."""
+
+    format: NotRequired[str]  # a `CallFormat` name (default: Hermes)
+    mode: Mode
+    parallel: bool
+    tools: list[_AllowedTool]
+
+
+def parse_tools(
+    tools: object, tool_choice: object = None, parallel: object = None
+) -> ToolChoice | None:
     """Validate the request's tool fields; None when no tools are offered.
 
     Raises GrammarError (param: `tools[i]...`, `tool_choice`) for a parameters object that is
@@ -102,7 +119,7 @@ def tool_constraint(choice: ToolChoice | None, fmt: CallFormat = HERMES) -> Cons
     if choice is None or choice.mode == "none":
         return None
     by_name = {t.name: t for t in choice.tools}
-    payload = {
+    payload: _Payload = {
         "format": fmt.name,
         "mode": choice.mode,
         "parallel": choice.parallel,
@@ -114,7 +131,7 @@ def tool_constraint(choice: ToolChoice | None, fmt: CallFormat = HERMES) -> Cons
     return ConstraintSpec("tool_calls", text, param="tools")
 
 
-def structural_tag(spec: ConstraintSpec) -> dict[str, Any]:
+def structural_tag(spec: ConstraintSpec) -> dict[str, object]:
     """xgrammar's structural tag (JSON form) for a `tool_calls` spec."""
     payload, fmt = _payload(spec), call_format(spec)
     tags = [
@@ -128,17 +145,18 @@ def structural_tag(spec: ConstraintSpec) -> dict[str, Any]:
         for t in payload["tools"]
     ]
     single = not payload["parallel"]
+    tag_format: dict[str, object]
     if payload["mode"] == "required":
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
-               "at_least_one": True, "stop_after_first": single}
+        tag_format = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
+                      "at_least_one": True, "stop_after_first": single}
     else:
-        fmt = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags,
-               "at_least_one": False, "stop_after_first": single}
-    return {"type": "structural_tag", "format": fmt}
+        tag_format = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags,
+                      "at_least_one": False, "stop_after_first": single}
+    return {"type": "structural_tag", "format": tag_format}
 
 
 def tool_calls_lark(
-    spec: ConstraintSpec, rewrite: Callable[[Any], Any], json_options: dict[str, Any]
+    spec: ConstraintSpec, rewrite: Callable[[object], object], json_options: dict[str, object]
 ) -> str:
     """The `required` / named-tool constraint as a Lark grammar with embedded JSON schemas
     (llguidance's `%json`, which enforces `required` and `anyOf` branches exactly where
@@ -202,7 +220,7 @@ def valid_calls(spec: ConstraintSpec, calls: list[ParsedCall]) -> list[ParsedCal
     return out
 
 
-def validate_instance(schema: dict[str, Any] | bool, value: Any) -> str | None:
+def validate_instance(schema: JSONSchema, value: object) -> str | None:
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     error = jsonschema.exceptions.best_match(
         cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value)
@@ -218,13 +236,13 @@ def call_format(spec: ConstraintSpec) -> CallFormat:
     return FORMATS[_payload(spec).get("format", HERMES.name)]
 
 
-def _payload(spec: ConstraintSpec) -> dict[str, Any]:
+def _payload(spec: ConstraintSpec) -> _Payload:
     if spec.kind != "tool_calls" or not isinstance(spec.payload, str):
         raise ValueError(f"not a tool_calls constraint: {spec.kind}")
     return json.loads(spec.payload)
 
 
-def _tool(t: Any, p: str) -> Tool:
+def _tool(t: object, p: str) -> Tool:
     if not isinstance(t, dict):
         raise GrammarError(f"{p} must be an object", p)
     if t.get("type") != "function":
@@ -252,11 +270,13 @@ def _tool(t: Any, p: str) -> Tool:
     return Tool(name, desc, params)
 
 
-def _choice(choice: Any, names: list[str]) -> tuple[Mode, tuple[str, ...]]:
+def _choice(choice: object, names: list[str]) -> tuple[Mode, tuple[str, ...]]:
     if choice is None or choice == "auto":
         return "auto", tuple(names)
-    if choice in ("none", "required"):
-        return choice, tuple(names)
+    if choice == "none":
+        return "none", tuple(names)
+    if choice == "required":
+        return "required", tuple(names)
     if isinstance(choice, dict) and choice.get("type") == "function":
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None

@@ -13,6 +13,7 @@ import re
 
 import jsonschema
 import regex
+from jsonschema.protocols import Validator
 
 from grammar.spec import ConstraintSpec
 
@@ -73,7 +74,7 @@ def _matches(pattern: str, text: str, full: bool) -> bool | None:
 
 
 @functools.cache
-def _validator(cls: type) -> type:
+def _validator(cls: type[Validator]) -> type[Validator]:
     """`cls` with its `pattern` keyword checked by `_matches`."""
 
     def pattern(validator, patrn, instance, schema):  # noqa: ANN001, ANN202 - jsonschema's

@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,10 @@ class TokenVocab:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: list[int] | None = None,
     ) -> TokenVocab:
         """Build from a HF tokenizer; `vocab_size` is the model's embedding rows (>= its
         length). Stop tokens default to the tokenizer's EOS."""

@@ -43,7 +43,7 @@ MAX_ARTIFACT_BYTES = 32 << 20  # a pickled compiled grammar, as the engine's pro
 class Shipped(NamedTuple):
     """A compiled grammar as it left the worker."""
 
-    artifact: Any  # the backend's artifact, for `Backend.load`
+    artifact: Any  # the backend's artifact, for `Backend.load` (Any: each backend's own type)
     nbytes: int  # its pickled size
     compile_ms: float  # compiling, loading and probing it in the worker
 
@@ -149,6 +149,8 @@ class CompileWorker:
         self._proc, self._conn, self._ready = None, None, False
 
     def _receive(self) -> tuple[str, Any, float]:
+        """(status, value, ms) from the child. Any: by status, the pickled artifact (bytes), an
+        error text or None."""
         assert self._conn is not None and self._proc is not None
         try:
             return self._conn.recv()

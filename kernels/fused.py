@@ -72,7 +72,16 @@ def add_rms_norm_torch(
     return rms_norm_torch(r, weight, eps), r
 
 
-def rope_cache_torch(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+def rope_cache_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
     """Semantics, for x in (q, k): x1, x2 = halves of x's last axis;
     x <- cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin); then k_cache[slots] = k,
     v_cache[slots] = v; returns q."""
@@ -121,7 +130,16 @@ def add_rms_norm_triton(
     return x, residual
 
 
-def rope_cache_triton(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+def rope_cache_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
     """Same contract as `rope_cache_torch`, rotating q in place (q, k, v may be strided views
     of the qkv projection's output; each cache row [KVH, D] contiguous)."""
     half = q.shape[2] // 2

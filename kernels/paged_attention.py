@@ -34,14 +34,32 @@ DECODE_CONFIG_LARGE = (32, 4, 2, 4)  # batch x KV heads >= 256
 PREFILL_CONFIG = (64, 32, 4, 2, 2)  # + waves of programs a short chunk's splits aim for
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, page_size, scale, out) -> None:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """Decode attention into `out`. Triton on CUDA, the torch reference elsewhere."""
     fn = paged_decode_triton if q.is_cuda else paged_decode_torch
     fn(q, k_cache, v_cache, block_tables, seq_lens, page_size, scale, out)
 
 
 def paged_prefill(
-    q, k_cache, v_cache, block_tables, query_start, seq_lens, max_query_len, page_size, scale, out
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    page_size: int,
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
     """Prefill / extend attention into `out`. Triton on CUDA, the torch reference elsewhere."""
     fn = paged_prefill_triton if q.is_cuda else paged_prefill_torch

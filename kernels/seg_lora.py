@@ -31,7 +31,9 @@ from kernels.sgmv import _INTERPRETED, sgmv_expand_torch, sgmv_shrink_torch
 MAX_ROWS = 16  # rows per segment: one tl.dot tile of M
 
 
-def segment_table(slots: Sequence[int], capacity: int, max_rows: int = MAX_ROWS):
+def segment_table(
+    slots: Sequence[int], capacity: int, max_rows: int = MAX_ROWS
+) -> tuple[list[int], list[int]]:
     """The segments of rows whose adapter slots are `slots` (runs of equal slot; those with
     an adapter cut into pieces of at most `max_rows`), padded with empty segments of slot -1.
 
@@ -51,7 +53,17 @@ def segment_table(slots: Sequence[int], capacity: int, max_rows: int = MAX_ROWS)
     return indptr + [indptr[-1]] * pad, seg_slots + [-1] * pad
 
 
-def seg_lora(y, x, a_stack, b_stack, sizes, seg_indptr, seg_slots, scales, max_rows=MAX_ROWS):
+def seg_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    b_stack: torch.Tensor,
+    sizes: Sequence[int],
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    scales: torch.Tensor,
+    max_rows: int = MAX_ROWS,
+) -> None:
     """y += LoRA(x) per segment, in place (`seg_lora_torch` has the contract). Triton on CUDA,
     the torch reference elsewhere."""
     fn = seg_lora_triton if y.is_cuda else seg_lora_torch

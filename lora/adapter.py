@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lora.safetensors_header import read_header, read_tensors
-from lora.validate import check_config, check_tensors
+from lora.validate import ModuleTensors, check_config, check_tensors
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -144,7 +144,7 @@ def load_adapter(
 
     entries, header_problems = read_header(weights)
     problems += header_problems
-    modules = []
+    modules: list[ModuleTensors] = []
     if entries or not header_problems:  # an unreadable header has nothing more to report
         modules, found = check_tensors(entries, settings, base, max_rank, weights.name)
         problems += found

@@ -30,6 +30,7 @@ import torch
 from kernels.bgmv import bgmv_expand, bgmv_expand_slices, bgmv_shrink
 from kernels.seg_lora import EXPAND_CONFIG, MAX_ROWS, seg_expand_triton, seg_lora, seg_shrink
 from kernels.sgmv import sgmv_expand, sgmv_shrink
+from kernels.upload import upload
 
 
 @dataclass(frozen=True)
@@ -65,15 +66,13 @@ class LoraBatchInfo:
         for n in seg_lens:
             indptr.append(indptr[-1] + n)
 
-        def tensor(values: list[int]) -> torch.Tensor:  # pinned: the upload does not wait
-            on_gpu = torch.device(device).type == "cuda"
-            host = torch.tensor(values, dtype=torch.int32, pin_memory=on_gpu)
-            return host.to(device, non_blocking=True)
-
+        token_slots_t, indptr_t, seg_slots_t = upload(
+            [token_slots, indptr, seg_slots], torch.int32, device
+        )
         return cls(
-            token_slots=tensor(token_slots),
-            seg_indptr=tensor(indptr),
-            seg_slots=tensor(seg_slots),
+            token_slots=token_slots_t,
+            seg_indptr=indptr_t,
+            seg_slots=seg_slots_t,
             max_seg_len=max(seg_lens, default=0),
             kernel="sgmv" if 2 * len(seg_lens) <= len(token_slots) else "bgmv",
             has_lora=any(s >= 0 for s in seg_slots),

@@ -8,7 +8,7 @@ every wrapper then costs one attribute check.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,9 +21,8 @@ from lora.slots import LoraSlots
 class LoraContext:
     """What every `LoraLinear` of one model shares: the slots and the current step's info."""
 
-    def __init__(self, slots: LoraSlots, slot_of: Callable[[Any], int]) -> None:
+    def __init__(self, slots: LoraSlots) -> None:
         self.slots = slots
-        self.slot_of = slot_of  # request -> adapter slot, -1 for the base model
         self.info: LoraBatchInfo | None = None
         self.device = slots.scales.device
         # While a CUDA graph is captured, each shrink runs on this stream beside its base
@@ -32,7 +31,7 @@ class LoraContext:
 
     def begin_step(self, requests: Sequence[Any], num_tokens: Sequence[int]) -> None:
         """`requests[i]` contributes `num_tokens[i]` tokens, in the step's token order."""
-        slots = [self.slot_of(r) for r in requests]
+        slots = [r.lora_slot for r in requests]
         if all(s < 0 for s in slots):
             self.info = None  # base-only step: skip all LoRA work
         else:
@@ -66,10 +65,10 @@ class LoraLinear(nn.Module):
         return y
 
 
-def wrap_model(model: nn.Module, slots: LoraSlots, slot_of: Callable[[Any], int]) -> LoraContext:
+def wrap_model(model: nn.Module, slots: LoraSlots) -> LoraContext:
     """Wrap the four fused projections of every decoder layer of `model` in place (after
     its weights are loaded); returns the context the model runner drives."""
-    ctx = LoraContext(slots, slot_of)
+    ctx = LoraContext(slots)
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = LoraLinear(attn.qkv_proj, ctx, i, "qkv_proj")

@@ -8,12 +8,12 @@ A request's adapter, from the engine thread:
 
     attach(req)     at add_request: bind the request to (tenant, adapter) or raise.
     can_admit(req)  the scheduler's one predicate. True once the adapter sits in a device slot;
-                    that slot is then pinned until release(req). Otherwise it starts reading
+                    that slot is then pinned, and set on the request (`req.lora_slot`, which
+                    the model runner reads), until release(req). Otherwise it starts reading
                     the folder in a background thread (never on the step loop) and answers
                     False: the request waits and the others go ahead. When the read or the
                     copy into the slot fails, the requests waiting for that adapter fail
                     (`take_failed`), never the step.
-    slot_of(req)    the slot the model runner puts in `LoraBatchInfo` (-1: base model).
     release(req)    at finish or abort: unpin.
 
 Eviction is LRU among unpinned adapters in both tiers. A slot is pinned while an admitted
@@ -42,6 +42,7 @@ from urllib.parse import quote, unquote
 import torch
 
 from lora.adapter import AdapterError, LoraAdapter, load_adapter
+from lora.info import AdapterExists, AdapterInfo, AdapterStats
 from lora.slots import LoraSlots
 
 if TYPE_CHECKING:
@@ -54,27 +55,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _UIDS = itertools.count(1)
 
 
-class AdapterExists(KeyError):
-    """The tenant already has an adapter of that name."""
-
-
 class UnknownAdapter(KeyError):
     """No adapter of that name for that tenant."""
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """What the registry tells about one adapter (the gateway's JSON)."""
-
-    name: str
-    tenant: str
-    rank: int
-    target_modules: tuple[str, ...]
-    num_bytes: int  # the weights
-    stored_bytes: int  # the folder's files on disk (what a tenant's storage quota counts)
-    created: int
-    pinned: bool
-    tier: str  # "device" | "host" | "disk": the fastest tier holding it now
 
 
 @dataclass(eq=False)
@@ -97,15 +79,9 @@ class _Entry:
     uid: int = field(default_factory=lambda: next(_UIDS))  # a name added again is a new uid
 
 
-@dataclass
-class AdapterStats:
-    """Counters for metrics; plain ints, read from any thread."""
-
-    loads: dict[str, int] = field(default_factory=lambda: {"host": 0, "device": 0})
-    evictions: dict[str, int] = field(default_factory=lambda: {"host": 0, "device": 0})
-
-
 class AdapterManager:
+    """Implements `engine.protocols.AdapterRegistry` (the gateway's view) structurally."""
+
     def __init__(
         self,
         base: ModelConfig,
@@ -226,6 +202,7 @@ class AdapterManager:
                 return False
             self._admitted.add(req)
             entry.active += 1
+            req.lora_slot = entry.slot  # type: ignore[assignment]
             self._slot_lru.move_to_end(entry.slot)  # type: ignore[arg-type]
             if entry.adapter is not None:
                 self._host.move_to_end(entry)
@@ -238,6 +215,7 @@ class AdapterManager:
         return 0 if entry is None else entry.uid
 
     def slot_of(self, req: Request) -> int:
+        """The device slot holding `req`'s adapter now (-1: none)."""
         entry = self._attached.get(req)
         return -1 if entry is None or entry.slot is None else entry.slot
 
@@ -247,6 +225,7 @@ class AdapterManager:
             if entry is not None and req in self._admitted:
                 self._admitted.discard(req)
                 entry.active -= 1
+                req.lora_slot = -1
 
     def take_failed(self) -> list[tuple[Request, str]]:
         """Attached requests whose adapter cannot be loaded any more (deleted, or its folder

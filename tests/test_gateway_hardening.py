@@ -269,7 +269,8 @@ def test_max_tokens_defaults_to_4096_within_the_context() -> None:
     def plan(max_model_len: int, prompt_len: int) -> int:
         body = CompletionRequest(model="m", prompt=[1] * prompt_len)
         facts = EngineFacts(max_model_len, lambda ids, p: None, ServeConfig().default_max_tokens)
-        return plan_completion(body, GatewayTokenizer(Vocab()), facts, None)[0].params.max_tokens
+        jobs = plan_completion(body, GatewayTokenizer(Vocab()), facts, None).jobs
+        return jobs[0].params.max_tokens
 
     assert plan(32768, 10) == 4096
     assert plan(2560, 10) == 2550  # what is left of the context

@@ -21,6 +21,7 @@ from gateway.limits import TenantLimiter, check_capacity
 from gateway.params import EngineFacts, plan_chat, plan_completion, resolve_constraint
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import GatewayTokenizer
+from gateway.tools import resolve_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,17 +202,17 @@ def test_plan_defaults_seeds_and_extras() -> None:
         "seed": 5, "top_k": 0, "logit_bias": {"7": 2.5}, "logprobs": True, "top_logprobs": 2,
         "min_p": 0.1, "ignore_eos": True, "foo": "unknown fields are ignored",
     }))
-    jobs = plan_chat(body, tok, _facts(), adapter=None)
+    jobs = plan_chat(body, tok, _facts(), adapter=None).jobs
     assert [j.index for j in jobs] == [0, 1, 2]
     p = jobs[0].params
     assert p.max_tokens == 97 and p.top_k == -1 and p.logit_bias == {7: 2.5}
     assert (p.logprobs, p.min_p, p.ignore_eos, p.temperature) == (2, 0.1, True, 1.0)
     assert [j.params.seed for j in jobs] == [5, 6, 7]
-    assert plan_chat(body, tok, _facts(cap=16), None)[0].params.max_tokens == 16
+    assert plan_chat(body, tok, _facts(cap=16), None).jobs[0].params.max_tokens == 16
 
     comp = CompletionRequest.model_validate_json(
         '{"model": "m", "prompt": ["a b", "c"], "n": 2, "max_tokens": 4, "logprobs": 0}')
-    jobs = plan_completion(comp, tok, _facts(), None)
+    jobs = plan_completion(comp, tok, _facts(), None).jobs
     assert [(j.index, j.prompt_index, j.prompt_ids) for j in jobs] == [
         (0, 0, [1, 1]), (1, 0, [1, 1]), (2, 1, [1]), (3, 1, [1])]
 
@@ -242,13 +243,14 @@ def test_resolve_constraint_refuses_bad_specs() -> None:
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
         return ChatCompletionRequest.model_validate_json(json.dumps(body))
 
-    resolve_constraint(chat(response_format={"type": "text"}, tool_choice="none",
-                            tools=[{"type": "function", "function": {"name": "f"}}],
-                            session_id="s1"))
+    body = chat(response_format={"type": "text"}, tool_choice="none",
+                tools=[{"type": "function", "function": {"name": "f"}}], session_id="s1")
+    resolve_constraint(body, resolve_tools(body))
     for extra, param in [({"response_format": {"type": "json_schema"}}, "response_format"),
                          ({"tools": [{"type": "function"}]}, "tools")]:
         with pytest.raises(APIError) as e:
-            resolve_constraint(chat(**extra))
+            body = chat(**extra)
+            resolve_constraint(body, resolve_tools(body))
         assert e.value.status == 400 and e.value.param.startswith(param)
 
 

@@ -115,7 +115,7 @@ def test_extend_graphs_match_cpu(tiny):
             llm.load_adapter(name, path)
         if device == "cuda":  # count the chunks that replayed a graph
             graphs = llm.engine.runner.extend_graphs
-            graphs.run = lambda *a, run=graphs.run: replays.append(len(a[0])) or run(*a)
+            graphs.run = lambda *a, run=graphs.run: replays.append(len(a[0].input_ids)) or run(*a)
         outs[device] = [
             llm.generate([p], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                              adapter=a))[0].token_ids

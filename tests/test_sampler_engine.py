@@ -37,7 +37,7 @@ def test_min_tokens_through_the_gateway():
     def plan(**extra):
         body = {"model": "m", "prompt": "a b", "max_tokens": 5, **extra}
         return plan_completion(CompletionRequest.model_validate_json(json.dumps(body)), tok,
-                               _facts(), None)
+                               _facts(), None).jobs
 
     assert plan()[0].params.min_tokens == 0
     assert plan(min_tokens=5)[0].params.min_tokens == 5

@@ -182,7 +182,7 @@ def test_check_and_valid_calls() -> None:
 
 def test_fallback_prompt_renders_tools_calls_and_results() -> None:
     from gateway.schemas import ChatCompletionRequest
-    from gateway.tools import render_messages
+    from gateway.tools import render_messages, resolve_tools
 
     call = {"id": "c1", "type": "function",
             "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
@@ -194,7 +194,7 @@ def test_fallback_prompt_renders_tools_calls_and_results() -> None:
             {"role": "tool", "tool_call_id": "c1", "content": "5"},
             {"role": "tool", "tool_call_id": "c2", "content": "5"},
         ]})
-    messages, tools = render_messages(body, native=False)
+    messages, tools = render_messages(body, resolve_tools(body), native=False)
     assert tools is None
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
@@ -203,7 +203,7 @@ def test_fallback_prompt_renders_tools_calls_and_results() -> None:
         "add", '{"a": 2, "b": 3}')
     assert messages[3]["content"] == ("<tool_response>\n5\n</tool_response>\n"
                                       "<tool_response>\n5\n</tool_response>")
-    native, tools = render_messages(body, native=True)
+    native, tools = render_messages(body, resolve_tools(body), native=True)
     assert tools is not None and native[2]["tool_calls"][0]["function"]["arguments"] == {
         "a": 2, "b": 3}
     assert native[3] == {"role": "tool", "content": "5", "tool_call_id": "c1"}
@@ -262,7 +262,7 @@ def test_native_template_sets_the_call_format(smollm2_dir) -> None:
             {"role": "tool", "tool_call_id": "c1", "content": "5"},
             {"role": "user", "content": "And the time?"},
         ]})
-    job = plan_chat(body, tok, EngineFacts(8192, lambda ids, p: None, None), None)[0]
+    job = plan_chat(body, tok, EngineFacts(8192, lambda ids, p: None, None), None).jobs[0]
     prompt = hf.decode(job.prompt_ids)
     assert '{"name": "add", "parameters": {"a": 2, "b": 3}}' in prompt
     assert '"name": "now"' in prompt and "ipython<|end_header_id|>5" in prompt

@@ -152,9 +152,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D/2)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
-        residual = None
+        residual: torch.Tensor | None = None  # the first layer starts it
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv, meta)
+        assert residual is not None
         return self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -31,7 +31,7 @@ from fastapi.responses import Response
 from gateway import redis_store
 from gateway.body import read_capped
 from gateway.errors import APIError, install_error_handlers
-from gateway.redis_store import AFFINITY
+from gateway.redis_store import AFFINITY, Redis
 from gateway.registry import HEARTBEAT_S, ReplicaInfo
 from gateway.router import proxy
 from gateway.router.pool import ReplicaPool
@@ -77,13 +77,13 @@ def create_router_app(redis_url: str, max_body_bytes: int) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready() -> dict[str, Any]:
+    async def ready() -> dict[str, object]:
         if not pool.candidates():
             raise no_replica()
         return {"status": "ready", "replicas": len(pool.candidates())}
 
     @app.get("/router/replicas")
-    async def replicas() -> dict[str, Any]:
+    async def replicas() -> dict[str, object]:
         return pool.status()
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
@@ -116,7 +116,7 @@ def create_router_app(redis_url: str, max_body_bytes: int) -> FastAPI:
                     pool.inflight[replica.id] -= 1
                 await _record(redis, request, session, replica, response)
                 return response
-            return proxy.Relay(upstream, replica, lambda r=replica: _done(pool, r))
+            return proxy.Relay(upstream, replica, functools.partial(_done, pool, replica))
         raise no_replica()
 
     return app
@@ -164,7 +164,7 @@ def _prefix_key(request: Request, body: bytes) -> str | None:
     return hashlib.sha256(text[:4096].encode()).hexdigest()
 
 
-def _json(body: bytes) -> dict[str, Any]:
+def _json(body: bytes) -> dict[str, object]:
     try:
         data = json.loads(body)
     except ValueError:
@@ -172,7 +172,7 @@ def _json(body: bytes) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-async def _get_affinity(redis: Any, session: str) -> str | None:
+async def _get_affinity(redis: Redis, session: str) -> str | None:
     try:
         return await redis.get(AFFINITY + session)
     except Exception as e:  # noqa: BLE001 - Redis down: the least loaded replica serves it
@@ -180,14 +180,14 @@ async def _get_affinity(redis: Any, session: str) -> str | None:
         return None
 
 
-async def _set_affinity(redis: Any, session: str, replica: ReplicaInfo) -> None:
+async def _set_affinity(redis: Redis, session: str, replica: ReplicaInfo) -> None:
     try:
         await redis.set(AFFINITY + session, replica.id, ex=AFFINITY_TTL_S)
     except Exception as e:  # noqa: BLE001 - a lost affinity costs a re-prefill, not data
         log.warning("cannot record session affinity: %s", e)
 
 
-async def _record(redis: Any, request: Request, session: str | None, replica: ReplicaInfo,
+async def _record(redis: Redis, request: Request, session: str | None, replica: ReplicaInfo,
                   response: Response) -> None:
     """After a session was created or forked (record where) or deleted (forget it)."""
     if response.status_code >= 300:

@@ -24,9 +24,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from gateway import registry
+from gateway.redis_store import Redis
 from gateway.registry import ReplicaInfo
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def _score(prefix: str, replica_id: str) -> bytes:
 class ReplicaPool:
     """The router's current view of the replicas, refreshed from Redis by `refresh()`."""
 
-    def __init__(self, redis: Any):
+    def __init__(self, redis: Redis):
         self.redis = redis
         self.accepted: list[ReplicaInfo] = []
         self.refused: dict[str, tuple[ReplicaInfo, str]] = {}  # id -> (replica, why)
@@ -109,9 +109,9 @@ class ReplicaPool:
                     r.address, r.id, DOWN_S)
         self._down_until[r.id] = time.monotonic() + DOWN_S
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, object]:
         """The `/router/replicas` body."""
-        def view(r: ReplicaInfo) -> dict[str, Any]:
+        def view(r: ReplicaInfo) -> dict[str, object]:
             return {"id": r.id, "address": r.address, "model": r.model, "base": r.base,
                     "load": self.load(r)}
 

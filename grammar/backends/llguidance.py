@@ -8,7 +8,7 @@ import json
 import re
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import torch
@@ -20,12 +20,15 @@ from grammar.spec import JSON_MAX_WHITESPACE, ConstraintSpec
 from grammar.tools import tool_calls_lark
 from grammar.vocab import TokenVocab
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only
+
 # llguidance's own `lenient` option ignores unimplemented keywords, but was measured to reject
 # valid instances of such schemas; the relaxed mode drops them itself instead. `coerce_one_of`
 # reads oneOf as anyOf: exact whenever the branches are disjoint (the usual case: tagged unions,
 # distinct types); `check_output` catches the rest. The whitespace pattern is an optional
 # lexeme between any two JSON tokens: here up to JSON_MAX_WHITESPACE spaces.
-JSON_OPTIONS: llg.JsonCompileOptions = {
+JSON_OPTIONS: JsonCompileOptions = {
     "coerce_one_of": True,
     "lenient": False,
     "whitespace_pattern": f"[ ]{{1,{JSON_MAX_WHITESPACE}}}",
@@ -86,7 +89,7 @@ class _Vocab:
 
 def make_lltokenizer(vocab: TokenVocab) -> llg.LLTokenizer:
     return llg.LLTokenizer(
-        _Vocab(vocab), n_vocab=vocab.vocab_size, eos_token=list(vocab.stop_token_ids)
+        _Vocab(vocab),  # type: ignore[arg-type]  # llguidance reads any object with its fields n_vocab=vocab.vocab_size, eos_token=list(vocab.stop_token_ids)
     )
 
 
@@ -213,7 +216,8 @@ def to_llguidance(spec: ConstraintSpec, rewrite: Callable[[Any], Any] = lambda s
                 json.dumps(schema), overrides=JSON_OPTIONS
             )
         if spec.kind == "tool_calls":
-            return llg.LLMatcher.grammar_from_lark(tool_calls_lark(spec, rewrite, JSON_OPTIONS))
+            lark = tool_calls_lark(spec, rewrite, dict(JSON_OPTIONS))
+            return llg.LLMatcher.grammar_from_lark(lark)
         if spec.kind == "regex":
             assert isinstance(spec.payload, str)
             return llg.LLMatcher.grammar_from_regex(ascii_digits(spec.payload))

@@ -64,15 +64,15 @@ class XGrammarBackend(Backend):
                 schema = {} if schema is True else schema
                 compiled = c.compile_grammar(json_grammar(json.dumps(schema)))
             elif spec.kind == "regex":
-                compiled = c.compile_regex(spec.payload)
+                compiled = c.compile_regex(_text(spec))
             elif spec.kind == "grammar":
-                compiled = c.compile_grammar(spec.payload)
+                compiled = c.compile_grammar(_text(spec))
             elif spec.kind == "tool_calls":
                 from grammar.tools import structural_tag
 
                 compiled = c.compile_structural_tag(json.dumps(structural_tag(spec)))
             elif spec.kind == "choice":
-                alts = " | ".join(_ebnf_literal(s) for s in spec.payload)
+                alts = " | ".join(_ebnf_literal(s) for s in spec.payload or ())
                 compiled = c.compile_grammar(f"root ::= {alts}")
             else:
                 raise BackendError(f"unknown constraint kind {spec.kind!r}")
@@ -118,3 +118,9 @@ def _first_line(e: BaseException) -> str:
     """The message without xgrammar's `[hh:mm:ss] /path/file.cc:123: ` prefix."""
     text = (str(e).strip() or type(e).__name__).splitlines()[0]
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)[:500]
+
+
+def _text(spec: ConstraintSpec) -> str:
+    """The payload of a regex or grammar spec: its source text."""
+    assert isinstance(spec.payload, str)
+    return spec.payload

@@ -1,0 +1,75 @@
+"""Host ints to device tensors: pinned staging, one copy that does not wait.
+
+Every index tensor a step sends to the device goes up this way: the model runner's eager
+inputs and the LoRA segment tables (`upload`, a fresh buffer each time), and the static inputs
+of the CUDA graphs (`Staging`, one buffer for the graphs' life). The values are packed in one
+host buffer (pinned on a GPU), written through numpy (which takes Python ints about 3x faster
+than `torch.tensor`), each field starting 16-byte aligned (Triton specializes on aligned
+pointers), and sent in one non-blocking copy queued behind the device's work, so the one host
+sync of a step stays reading its sampled tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+ALIGN = 16  # bytes
+Field = tuple[torch.dtype, tuple[int, ...]]  # dtype, shape
+
+
+def upload(
+    parts: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device | str
+) -> list[torch.Tensor]:
+    """Int lists as tensors of `dtype` on `device`, sent in one copy: a view per list. The host
+    buffer is fresh: torch's pinned allocator hands it out again only once the copy has run."""
+    device = torch.device(device)
+    offsets, size = _layout([len(p) * dtype.itemsize for p in parts])
+    host = torch.empty(size // dtype.itemsize, dtype=dtype, pin_memory=device.type == "cuda")
+    staged = host.numpy()
+    starts = [o // dtype.itemsize for o in offsets]
+    for start, part in zip(starts, parts, strict=True):
+        staged[start : start + len(part)] = part
+    dev = host.to(device, non_blocking=True)  # on a CPU: `host` itself
+    return [dev[start : start + len(part)] for start, part in zip(starts, parts, strict=True)]
+
+
+class Staging:
+    """Named fields kept in one host buffer and its device mirror, for inputs rewritten every
+    step in place (a CUDA graph's static inputs). The host side may be rewritten only once the
+    last copy out of it has run (the caller waits on an event)."""
+
+    def __init__(self, fields: dict[str, Field], device: torch.device):
+        self.fields = fields
+        nbytes = [dtype.itemsize * math.prod(shape) for dtype, shape in fields.values()]
+        offsets, size = _layout(nbytes)
+        self.offsets = dict(zip(fields, offsets, strict=True))
+        self._host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._dev = torch.empty(size, dtype=torch.uint8, device=device)
+        self.host: dict[str, np.ndarray] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        for (name, (dtype, shape)), start, n in zip(fields.items(), offsets, nbytes, strict=True):
+            host = self._host[start : start + n].view(dtype).view(shape)
+            self.host[name] = host.numpy()
+            self.dev[name] = self._dev[start : start + n].view(dtype).view(shape)
+
+    def send(self, last: str | None = None, rows: int = 0) -> None:
+        """Copy the host buffer up without waiting: all of it, or the fields before `last`
+        and the first `rows` rows of `last`."""
+        end = self._host.numel()
+        if last is not None:
+            dtype, shape = self.fields[last]
+            end = self.offsets[last] + rows * dtype.itemsize * math.prod(shape[1:])
+        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+
+
+def _layout(nbytes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of blocks of these sizes packed in order, each `ALIGN`ed; the total."""
+    offsets, size = [], 0
+    for n in nbytes:
+        offsets.append(size)
+        size += -(-n // ALIGN) * ALIGN
+    return offsets, size
