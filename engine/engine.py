@@ -183,10 +183,11 @@ class LLMEngine:
         ahead = self.runner.launch(nxt, after=prev) if nxt else None
         # N+1 decodes N's sampled token: no forced (jump-forward) tokens may follow it.
         outputs = self.postprocess(prev.batch, self.runner.collect(prev), jump_forward=False)
-        alive = [r for r in ahead.rows if not r.finished] if ahead else []
-        if alive:
-            self.runner.sample(ahead, alive)
-            self._ahead = ahead
+        if ahead is not None:
+            alive = [r for r in ahead.rows if not r.finished]
+            if alive:
+                self.runner.sample(ahead, alive)
+                self._ahead = ahead
         return outputs
 
     def _next_decodes(self, prev: Step) -> Batch | None:
@@ -194,6 +195,7 @@ class LLMEngine:
         None when a waiting request could start instead (the regular schedule admits it)."""
         if self.scheduler.admits_now():
             return None
+        assert prev.drawn is not None, "an overlapped step's draw is queued at launch"
         reqs = [r for r in prev.drawn.reqs if not r.finished and self._tokens_left(r) > 1]
         return self.scheduler.schedule_ahead(reqs)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -45,13 +45,14 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
         """One result per prompt, in order. Prompts are strings or token-id lists."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        one = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        # mypy does not narrow a list by its first item: `one` tells a prompt from a list.
+        batch = cast("list[str | list[int]]", [prompts] if one else prompts)
         params = params or SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(plist)} params")
-        token_lists = [self._encode(p) for p in prompts]
+        plist = params if isinstance(params, list) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise InvalidRequestError(f"got {len(batch)} prompts but {len(plist)} params")
+        token_lists = [self._encode(p) for p in batch]
         for ids, p in zip(token_lists, plist, strict=True):
             self.engine.validate(ids, p)  # refuse the whole call before anything runs
 
@@ -95,12 +96,15 @@ class LLM:
         params: SamplingParams | None = None,
     ) -> list[CompletionOutput]:
         """Apply the model's chat template to one conversation (or a list of them)."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
-            for c in convs
-        ]
-        return self.generate([self._encode(p, special=False) for p in prompts], params)
+        one = bool(messages) and isinstance(messages[0], dict)
+        convs = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
+        prompts: list[list[int]] = []
+        for c in convs:
+            text = self.tokenizer.apply_chat_template(c, add_generation_prompt=True,
+                                                      tokenize=False)
+            assert isinstance(text, str)  # tokenize=False: the rendered text
+            prompts.append(self._encode(text, special=False))
+        return self.generate(prompts, params)
 
     def _encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
         if isinstance(prompt, str):

@@ -103,20 +103,22 @@ class ModelRunner:
         the batch is decodes of the tokens that step draws: they feed in on the device, before
         the host has seen them (the overlapped schedule, `LLMEngine._overlap_step`)."""
         seqs = sorted(batch.seqs, key=self._layout)
+        inputs = StepInputs.build(seqs, self.page_size)
         input_ids = None
         if after is not None:
+            assert after.drawn is not None, "launch(after=step) needs the step's draw queued"
             drawn = after.drawn.tokens.clamp(min=0)  # a failed row drew -1; its request ends
             rows = {r: i for i, r in enumerate(after.drawn.reqs)}
             order = [rows[s.request] for s in seqs]
             input_ids = drawn if order == list(range(len(drawn))) else drawn[
-                self._upload([order], torch.long)[0]]
-        logits = self._graph_logits(seqs, input_ids)
+                upload([order], torch.long, self.device)[0]]
+        logits = self._graph_logits(inputs, input_ids)
         if logits is None:
-            ids, positions, meta, sample_rows = self._prepare(seqs)
+            ids, positions, meta, sample_rows = self._prepare(inputs)
             if input_ids is not None:
                 ids = input_ids
             if self.lora is not None:
-                self.lora.begin_step([s.request for s in seqs], [s.num_new_tokens for s in seqs])
+                self.lora.begin_step(inputs.lora_slots, inputs.num_new_tokens)
             hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[sample_rows])
         return Step(batch, [s.request for s in seqs if s.samples], logits)
@@ -129,7 +131,7 @@ class ModelRunner:
         if reqs != step.rows:
             wanted = set(reqs)
             keep = [i for i, r in enumerate(step.rows) if r in wanted]
-            logits = logits[self._upload([keep], torch.long)[0]]
+            logits = logits[upload([keep], torch.long, self.device)[0]]
         if masks is None and self.grammar is not None:
             masks = self.grammar.start_fill(reqs)
         finite = torch.isfinite(logits).all(dim=1)  # (N,): comes back with the sampled tokens
@@ -156,36 +158,38 @@ class ModelRunner:
         return s.num_new_tokens != 1, s.request.lora_slot
 
     def _graph_logits(
-        self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None
+        self, inputs: StepInputs, input_ids: torch.Tensor | None
     ) -> torch.Tensor | None:
         """Logits of a decode-only step, or of one sequence's short last chunk, from a CUDA
-        graph; None when no graph fits the step (checked before the inputs are built).
-        `input_ids`: the decodes' tokens on the device (else they are read from the requests)."""
+        graph; None when no graph fits the step.
+        `input_ids`: the decodes' tokens on the device (else they are read from `inputs`)."""
         if self.graphs is None:
             return None
-        if len(seqs) == 1 and seqs[0].num_new_tokens > 1:
-            s, extend = seqs[0], self.extend_graphs
-            n = s.num_new_tokens
-            if not s.samples or extend is None or not extend.fits(n, s.start + n):
+        num_seqs, sampled = len(inputs.tables), len(inputs.sample_rows)
+        if num_seqs == 1 and inputs.num_new_tokens[0] > 1:
+            n, extend = inputs.num_new_tokens[0], self.extend_graphs
+            if not sampled or extend is None or not extend.fits(n, inputs.context_lens[0]):
                 return None
-            return extend.run(StepInputs.build(seqs, self.page_size))
-        if not all(s.num_new_tokens == 1 and s.samples for s in seqs):
+            return extend.run(inputs)
+        if inputs.num_decodes != num_seqs or sampled != num_seqs:  # not every seq a sampled decode
             return None
-        if not self.graphs.fits(len(seqs), max(s.start for s in seqs) + 1):
+        if not self.graphs.fits(num_seqs, max(inputs.context_lens)):
             return None
-        return self.graphs.run(StepInputs.build(seqs, self.page_size), input_ids)
+        return self.graphs.run(inputs, input_ids)
 
-    def _prepare(self, seqs: list[ScheduledSeq]):
+    def _prepare(
+        self, x: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Input ids, positions, attention metadata and the sampled rows of an eager step."""
-        x = StepInputs.build(seqs, self.page_size)
         nd, num_prefills = x.num_decodes, len(x.tables) - x.num_decodes
-        ids, positions, slots, sample_rows = self._upload(
-            [x.input_ids, x.positions, x.slot_mapping, x.sample_rows], torch.long
+        ids, positions, slots, sample_rows = upload(
+            [x.input_ids, x.positions, x.slot_mapping, x.sample_rows], torch.long, self.device
         )
-        dt, dl, pt, qs, pl = self._upload(
+        dt, dl, pt, qs, pl = upload(
             [_flat(x.tables[:nd]), x.context_lens[:nd], _flat(x.tables[nd:]), x.query_start,
              x.context_lens[nd:]],
             torch.int32,
+            self.device,
         )
         meta = AttentionMetadata(
             slot_mapping=slots,
@@ -199,10 +203,6 @@ class ModelRunner:
             max_prefill_len=x.max_prefill_len,
         )
         return ids, positions, meta, sample_rows
-
-    def _upload(self, parts: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Int lists as tensors on this runner's device, in one copy (`kernels.upload`)."""
-        return upload(parts, dtype, self.device)
 
 
 @dataclass

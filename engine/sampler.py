@@ -2,8 +2,8 @@
 
 Order per row: logit bias, repetition penalty, presence and frequency penalties, min_tokens
 bans -> (logprobs) -> greedy, or temperature, top-k, top-p, min-p and a draw. The host sends the
-step's parameters in one copy (`engine.sampling_rows`); the only sync of a step is reading the
-tokens back in `collect`.
+step's parameters in one copy (`engine.sampling_rows`, `kernels.upload`); the only sync of a
+step is reading the tokens back in `collect`.
 
 The draw is an exponential race (`engine.race`) over noise hashed on the device from the
 request's seed, the index of the token being drawn and the candidates' ids: a seeded request
@@ -25,7 +25,8 @@ import torch
 from engine.messages import TokenLogprob
 from engine.race import Race
 from engine.request import Request
-from engine.sampling_rows import GREEDY, PLAIN, TOP_K, RowState, StepRows, upload
+from engine.sampling_rows import GREEDY, PLAIN, TOP_K, RowState, StepRows
+from kernels.upload import upload_arrays
 
 TIE_MARGIN = 64  # candidates past max(top_k) that settle ties at the k-th place by token id
 
@@ -147,7 +148,7 @@ class Sampler:
     ) -> tuple[StepRows, dict[str, torch.Tensor]]:
         """The step's parameters, sent in one copy, and bias, penalties and bans applied."""
         rows = StepRows(reqs, logits.shape[1], self._state)
-        on = upload(rows.arrays, logits.device)
+        on = upload_arrays(rows.arrays, logits.device)
         _adjust(logits, on)
         return rows, on
 

@@ -2,10 +2,10 @@
 
 `StepRows` turns the step's requests into a few small arrays in row order (temperature, top-k,
 top-p, min-p, noise key) and the sparse (row, token, value) entries of logit bias, penalties
-and min_tokens bans; `upload` sends them all in one host->device copy. Nothing here is
-proportional to the vocabulary. `RowState` is what the sampler keeps about a request between
-its steps: its noise seed and its parameters as arrays, made once, and the counts of its output
-tokens, grown as they arrive.
+and min_tokens bans; `kernels.upload.upload_arrays` sends them all in one host->device copy.
+Nothing here is proportional to the vocabulary. `RowState` is what the sampler keeps about a
+request between its steps: its noise seed and its parameters as arrays, made once, and the
+counts of its output tokens, grown as they arrive.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import random
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import torch
 
 from engine.counter_rng import M32, hash32, mix
 from engine.request import Request
@@ -164,29 +163,3 @@ class StepRows:
             self.arrays["penalty_values"] = -(
                 per_entry("penalty", freq) * np.concatenate(counts) + per_entry("penalty", pres)
             )
-
-
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32,
-          np.dtype(np.bool_): torch.bool}
-
-
-def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """The arrays packed into one host buffer (pinned on a GPU) and sent in one non-blocking
-    copy, which does not wait for the device's queued work; a device view per array."""
-    if not arrays:
-        return {}
-    offsets, size = {}, 0
-    for name, a in arrays.items():
-        offsets[name] = size
-        size += -(-a.nbytes // 16) * 16  # every view 16-byte aligned
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    staged = host.numpy()
-    for name, a in arrays.items():
-        o = offsets[name]
-        staged[o : o + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).ravel()
-    dev = host.to(device, non_blocking=True)
-    out = {}
-    for name, a in arrays.items():
-        view = dev[offsets[name] : offsets[name] + a.nbytes].view(_TORCH[a.dtype])
-        out[name] = view if a.ndim == 1 else view.view(a.shape)
-    return out

@@ -61,6 +61,13 @@ class StepInputs:
                    num_decodes)
 
     @property
+    def num_new_tokens(self) -> list[int]:
+        """Per sequence, in order: its tokens in this step (each decode's one, then each
+        chunk's)."""
+        qs = self.query_start
+        return [1] * self.num_decodes + [b - a for a, b in zip(qs, qs[1:], strict=False)]
+
+    @property
     def max_prefill_len(self) -> int:
         qs = self.query_start
         return max((b - a for a, b in zip(qs, qs[1:], strict=False)), default=0)

@@ -9,7 +9,7 @@ from the same snapshot.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,7 +19,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.protocols import EngineStats
@@ -90,7 +90,7 @@ class _PrefixCacheCollector:
     def __init__(self, stats: Callable[[], EngineStats]):
         self.stats = stats
 
-    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+    def collect(self) -> Iterator[Metric]:  # prometheus_client's `Collector` protocol
         p = self.stats().prefix
         for name, doc, value in [
             ("switchboard_prefix_cache_hit_tokens", "Prompt tokens served from cached KV",

@@ -9,7 +9,7 @@ stream's `[DONE]`) only after its history is written.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,8 +99,8 @@ class SessionTurn:
         await self.store.append(self.session, [*self.new_messages, reply])
 
     async def commit_before_done(
-        self, events: AsyncIterator[str], gen: Generation, fmt: ChatFormat
-    ) -> AsyncIterator[str]:
+        self, events: AsyncGenerator[str, None], gen: Generation, fmt: ChatFormat
+    ) -> AsyncGenerator[str, None]:
         """A stream whose `[DONE]` comes only after the history is written."""
         try:
             async for e in events:
@@ -111,6 +111,5 @@ class SessionTurn:
                         yield event(store_unavailable(err).body())
                 yield e
         finally:
-            # an async generator (gateway/sse.py's), typed as the AsyncIterator it returns
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
 

@@ -8,7 +8,7 @@ engine frees the request's pages before its next step.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 from starlette.responses import StreamingResponse
@@ -32,7 +32,7 @@ def event(data: dict[str, object]) -> str:
 
 async def stream_events(
     gen: Generation, fmt: StreamFormat, include_usage: bool
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     try:
         async for choice, out in gen.outputs():
             if choice.finish_reason == "error":
@@ -55,9 +55,10 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None]):
         super().__init__(content, headers={"Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
+        self.events = content  # `body_iterator` itself, typed as the generator it is
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -70,4 +71,4 @@ class SSEResponse(StreamingResponse):
         try:
             await super().stream_response(send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.events.aclose()

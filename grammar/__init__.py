@@ -1,5 +1,5 @@
 """Structured generation: constraint specs -> compiled grammars -> per-request matchers.
 
-`grammar.spec` is pure Python (the gateway imports it to validate requests); the compiler,
+`grammar.spec` is pure Python (the gateway parses requests with it); the compiler,
 backends and matchers load torch and the grammar libraries.
 """

@@ -1,8 +1,9 @@
 """Host ints to device tensors: pinned staging, one copy that does not wait.
 
 Every index tensor a step sends to the device goes up this way: the model runner's eager
-inputs and the LoRA segment tables (`upload`, a fresh buffer each time), and the static inputs
-of the CUDA graphs (`Staging`, one buffer for the graphs' life). The values are packed in one
+inputs and the LoRA segment tables (`upload`, a fresh buffer each time), the sampler's
+parameters (`upload_arrays`, also fresh), and the static inputs of the CUDA graphs (`Staging`,
+one buffer for the graphs' life). The values are packed in one
 host buffer (pinned on a GPU), written through numpy (which takes Python ints about 3x faster
 than `torch.tensor`), each field starting 16-byte aligned (Triton specializes on aligned
 pointers), and sent in one non-blocking copy queued behind the device's work, so the one host
@@ -35,6 +36,28 @@ def upload(
         staged[start : start + len(part)] = part
     dev = host.to(device, non_blocking=True)  # on a CPU: `host` itself
     return [dev[start : start + len(part)] for start, part in zip(starts, parts, strict=True)]
+
+
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32,
+          np.dtype(np.bool_): torch.bool}
+
+
+def upload_arrays(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Numpy arrays (int64, float32 or bool) packed into one fresh host buffer and sent in one
+    copy, like `upload`: a device view per array, of its shape."""
+    if not arrays:
+        return {}
+    offsets, size = _layout([a.nbytes for a in arrays.values()])
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    staged = host.numpy()
+    for o, a in zip(offsets, arrays.values(), strict=True):
+        staged[o : o + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).ravel()
+    dev = host.to(device, non_blocking=True)
+    out = {}
+    for o, (name, a) in zip(offsets, arrays.items(), strict=True):
+        view = dev[o : o + a.nbytes].view(_TORCH[a.dtype])
+        out[name] = view if a.ndim == 1 else view.view(a.shape)
+    return out
 
 
 class Staging:

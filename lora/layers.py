@@ -9,7 +9,6 @@ every wrapper then costs one attribute check.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -29,9 +28,9 @@ class LoraContext:
         # projection: a latency-bound kernel next to a bandwidth-bound GEMM.
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def begin_step(self, requests: Sequence[Any], num_tokens: Sequence[int]) -> None:
-        """`requests[i]` contributes `num_tokens[i]` tokens, in the step's token order."""
-        slots = [r.lora_slot for r in requests]
+    def begin_step(self, slots: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """The i-th sequence of the step, in its token order, contributes `num_tokens[i]`
+        tokens under adapter slot `slots[i]` (-1: the base model)."""
         if all(s < 0 for s in slots):
             self.info = None  # base-only step: skip all LoRA work
         else:
@@ -65,14 +64,21 @@ class LoraLinear(nn.Module):
         return y
 
 
+# What `wrap_model` wraps in each decoder layer: (its submodule, the fused projection in it).
+TARGETS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+           ("mlp", "down_proj"))
+
+
 def wrap_model(model: nn.Module, slots: LoraSlots) -> LoraContext:
-    """Wrap the four fused projections of every decoder layer of `model` in place (after
-    its weights are loaded); returns the context the model runner drives."""
+    """Wrap the four fused projections of every decoder layer of `model` (`model.layers`) in
+    place, after its weights are loaded; returns the context the model runner drives."""
     ctx = LoraContext(slots)
-    for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = LoraLinear(attn.qkv_proj, ctx, i, "qkv_proj")
-        attn.o_proj = LoraLinear(attn.o_proj, ctx, i, "o_proj")
-        mlp.gate_up_proj = LoraLinear(mlp.gate_up_proj, ctx, i, "gate_up_proj")
-        mlp.down_proj = LoraLinear(mlp.down_proj, ctx, i, "down_proj")
+    layers = model.get_submodule("layers")
+    assert isinstance(layers, nn.ModuleList)
+    for i, layer in enumerate(layers):
+        for owner, name in TARGETS:
+            parent = layer.get_submodule(owner)
+            base = parent.get_submodule(name)
+            assert isinstance(base, nn.Linear), f"layers.{i}.{owner}.{name}: not an nn.Linear"
+            setattr(parent, name, LoraLinear(base, ctx, i, name))
     return ctx

@@ -25,6 +25,7 @@ one lock guards all state. Weights are copied host -> device only on the engine 
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import logging
 import re
@@ -227,7 +228,8 @@ class AdapterManager:
                 entry.active -= 1
                 req.lora_slot = -1
 
-    def take_failed(self) -> list[tuple[Request, str]]:
+    # Below `def list`, that method shadows the builtin in annotations: `builtins.list`.
+    def take_failed(self) -> builtins.list[tuple[Request, str]]:
         """Attached requests whose adapter cannot be loaded any more (deleted, or its folder
         became unreadable); the engine fails them."""
         if not self._failed:
@@ -236,7 +238,7 @@ class AdapterManager:
             failed, self._failed = dict(self._failed), []
             return [(r, why) for r, why in failed.items() if r in self._attached]
 
-    def pending_loads(self) -> list[Future]:
+    def pending_loads(self) -> builtins.list[Future]:
         """The background reads in flight."""
         with self._lock:
             return [e.loading for e in self._registry.values() if e.loading is not None]

@@ -10,6 +10,7 @@ import json
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -71,10 +72,11 @@ def test_overload_is_a_429_within_milliseconds(gateway_server: GatewayServer) ->
                                  headers=_headers(srv, key))
         return asyncio.create_task(http.send(req, stream=True))
 
-    async def until(metric: str, value: int) -> None:
+    async def until(done: Callable[[dict[str, float]], bool]) -> None:
+        """Until a metrics snapshot satisfies `done`."""
         deadline = time.monotonic() + 60
-        while srv.metrics()[metric] < value:
-            assert time.monotonic() < deadline, metric
+        while not done(srv.metrics()):
+            assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
 
     async def main() -> dict[str, list[float]]:
@@ -85,12 +87,15 @@ def test_overload_is_a_429_within_milliseconds(gateway_server: GatewayServer) ->
         took: dict[str, list[float]] = {"tenant": [], "queue": [], "queue_json": []}
         async with httpx.AsyncClient(timeout=60) as http:
             fill = [start(http, 0, "sk-test-beta")]  # beta may run one request at a time
-            await until("switchboard_running_batch_size", 1)
+            await until(lambda m: m["switchboard_running_batch_size"] >= 1)
             for _ in range(10):
                 took["tenant"].append(await refused(http, plain, "sk-test-beta",
                                                     "concurrency_limit_exceeded"))
             fill += [start(http, i, srv.api_key) for i in range(1, 20)]  # 8 run, 12 wait
-            await until("switchboard_queue_depth", 12)
+            # All 20 submitted (the running batch is published after a step, so the queue depth
+            # alone can run ahead of the submissions).
+            await until(lambda m: m["switchboard_running_batch_size"]
+                        + m["switchboard_queue_depth"] >= 20)
             for _ in range(10):
                 took["queue"].append(await refused(http, plain, srv.api_key, "queue_full"))
                 took["queue_json"].append(await refused(http, json_mode, srv.api_key,

@@ -11,6 +11,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
+from engine.step_inputs import StepInputs
 from tests.tiny_models import save_tiny
 
 TOL = 1e-4
@@ -20,7 +21,7 @@ def _logits(runner: ModelRunner, seqs: list[ScheduledSeq]) -> torch.Tensor:
     """All-position logits of one step (the runner itself only computes the sampled rows)."""
     ordered = sorted(seqs, key=lambda s: s.num_new_tokens != 1)
     assert ordered == seqs, "test steps are given decodes first"
-    ids, pos, meta, _ = runner._prepare(seqs)
+    ids, pos, meta, _ = runner._prepare(StepInputs.build(seqs, runner.page_size))
     with torch.inference_mode():
         return runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
 
