@@ -53,7 +53,7 @@ SOURCE = {"lora_vs_base_b64": "decode", "lora64_roofline_fraction_b64": "decode"
           "sampled_vs_greedy_e2e": "sampled", "long_ctx_roofline_16x8k": "long_ctx",
           "long_ctx_roofline_64x4k": "long_ctx", "http_vs_offline_c128": "http",
           "prefill_mfu": "prefill"}
-FULL = {"tests": 80, "engine": 220, "baselines": 170, "serve": 90, "e2e": 420}
+FULL = {"tests": 150, "engine": 220, "baselines": 170, "serve": 90, "e2e": 420}
 QUICK = {"tests": 45, "engine": 75, "baselines": 50, "serve": 90, "e2e": 150}
 PARTS = ("tests", "engine", "baselines", "serve", "e2e")
 
