@@ -1,10 +1,11 @@
 """The engine step: schedule -> run -> postprocess (`LLMEngine.step`).
 
-On CUDA the decode steps overlap (`EngineConfig.overlap_schedule`; `LLMEngine._overlap_step`):
-step N+1's forward is queued on the device, fed by step N's tokens there, before the host reads
-step N's tokens and postprocesses them, so the host's work per step hides behind the device's
+On CUDA the steps overlap (`EngineConfig.overlap_schedule`; `LLMEngine._overlap_step`): step
+N+1's forward is queued on the device, fed by step N's tokens there, before the host reads step
+N's tokens and postprocesses them, so the host's work per step hides behind the device's
 (SGLang's overlap scheduler). Requests that step N ends ran one token too far in step N+1; that
-row is dropped.
+row is dropped. Requests that start while the loop runs are prefilled in it when their whole
+prompt fits one step; one that needs chunks hands back to the regular schedule.
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> postprocess. With `overlap` on, a decode-only batch starts the
-        overlapped loop instead (`_overlap_step`), which goes on while only decodes run."""
+        """schedule -> run -> postprocess. With `overlap` on, a batch whose every seq samples
+        (no prompt left mid-chunk) starts the overlapped loop instead (`_overlap_step`)."""
         failed = [self._fail(req, why) for req, why in self._not_startable()]
         if self._ahead is not None:
             return failed + self._overlap_step(self._ahead)
@@ -167,7 +168,7 @@ class LLMEngine:
             if not failed:
                 self._wait_for_background(0.05)
             return failed
-        if self.overlap and batch.is_decode:
+        if self.overlap and batch.all_sample:
             first = self.runner.launch(batch)
             self.runner.sample(first, first.rows)
             return failed + self._overlap_step(first)
@@ -177,12 +178,15 @@ class LLMEngine:
         """One step of the overlapped loop. `prev` (step N) is in flight, its draw queued: queue
         step N+1's decodes behind it, fed by N's tokens on the device; postprocess N while the
         device computes; then queue N+1's draw (its grammar masks need N's tokens accepted).
-        Ends (nothing left ahead) when no request decodes on, or one is waiting to start."""
+        N+1 may also prefill requests that start now. Ends (nothing left ahead) when no request
+        decodes on or starts, or when one must start in chunks."""
         self._ahead = None  # until N+1 is queued: if this raises, nothing stays in flight
-        nxt = self._next_decodes(prev)
+        nxt = self._next_step(prev)
+        failed = [self._fail(req, why) for req, why in nxt.failed] if nxt else []
         ahead = self.runner.launch(nxt, after=prev) if nxt else None
         # N+1 decodes N's sampled token: no forced (jump-forward) tokens may follow it.
-        outputs = self.postprocess(prev.batch, self.runner.collect(prev), jump_forward=False)
+        outputs = failed + self.postprocess(
+            prev.batch, self.runner.collect(prev), jump_forward=False)
         if ahead is not None:
             alive = [r for r in ahead.rows if not r.finished]
             if alive:
@@ -190,11 +194,10 @@ class LLMEngine:
                 self._ahead = ahead
         return outputs
 
-    def _next_decodes(self, prev: Step) -> Batch | None:
-        """The decodes that follow `prev`: its requests that its tokens cannot end by length.
-        None when a waiting request could start instead (the regular schedule admits it)."""
-        if self.scheduler.admits_now():
-            return None
+    def _next_step(self, prev: Step) -> Batch | None:
+        """The step that follows `prev`: its requests that its tokens cannot end by length
+        decode on, and waiting requests whose whole prompt fits start beside them (their
+        prefill overlaps too). None when the regular schedule must decide."""
         assert prev.drawn is not None, "an overlapped step's draw is queued at launch"
         reqs = [r for r in prev.drawn.reqs if not r.finished and self._tokens_left(r) > 1]
         return self.scheduler.schedule_ahead(reqs)

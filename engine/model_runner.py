@@ -100,18 +100,12 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: Batch, after: Step | None = None) -> Step:
         """Queue the batch's forward. With `after`, a step still in flight whose draw is queued,
-        the batch is decodes of the tokens that step draws: they feed in on the device, before
-        the host has seen them (the overlapped schedule, `LLMEngine._overlap_step`)."""
+        the batch's decodes are of the tokens that step draws: they feed in on the device,
+        before the host has seen them (the overlapped schedule, `LLMEngine._overlap_step`);
+        its prompts, if any, are known on the host."""
         seqs = sorted(batch.seqs, key=self._layout)
         inputs = StepInputs.build(seqs, self.page_size)
-        input_ids = None
-        if after is not None:
-            assert after.drawn is not None, "launch(after=step) needs the step's draw queued"
-            drawn = after.drawn.tokens.clamp(min=0)  # a failed row drew -1; its request ends
-            rows = {r: i for i, r in enumerate(after.drawn.reqs)}
-            order = [rows[s.request] for s in seqs]
-            input_ids = drawn if order == list(range(len(drawn))) else drawn[
-                upload([order], torch.long, self.device)[0]]
+        input_ids = None if after is None else self._fed_ids(seqs, inputs, after)
         logits = self._graph_logits(inputs, input_ids)
         if logits is None:
             ids, positions, meta, sample_rows = self._prepare(inputs)
@@ -152,6 +146,22 @@ class ModelRunner:
         for row, why in step.grammar_errors.items():
             samples[row] = SampleResult(-1, error=why)
         return list(zip(reqs, samples, strict=True))
+
+    def _fed_ids(self, seqs: list[ScheduledSeq], inputs: StepInputs, after: Step) -> torch.Tensor:
+        """The step's input ids on the device, where the seqs that decode a token `after`
+        draws (the step in flight) read it from that draw."""
+        assert after.drawn is not None, "launch(after=step) needs the step's draw queued"
+        drawn = after.drawn.tokens.clamp(min=0)  # a failed row drew -1; its request ends
+        rows = {r: i for i, r in enumerate(after.drawn.reqs)}
+        # Decodes come first, one input each: a fed seq's index is its input's position.
+        at = [k for k, s in enumerate(seqs) if s.request in rows]
+        src = [rows[seqs[k].request] for k in at]
+        if len(at) == len(inputs.input_ids):  # decodes of drawn tokens only
+            if src == list(range(len(drawn))):
+                return drawn
+            return drawn[upload([src], torch.long, self.device)[0]]
+        ids, at_t, src_t = upload([inputs.input_ids, at, src], torch.long, self.device)
+        return ids.index_copy(0, at_t, drawn[src_t])
 
     def _layout(self, s: ScheduledSeq) -> tuple[bool, int]:
         """Decodes first; within them, one run per adapter slot (SGMV segments, not BGMV)."""

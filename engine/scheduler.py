@@ -47,9 +47,10 @@ class Batch:
         return sum(s.num_new_tokens for s in self.seqs)
 
     @property
-    def is_decode(self) -> bool:
-        """Every seq decodes one token and samples it: the next step can be queued behind it."""
-        return all(s.num_new_tokens == 1 and s.samples for s in self.seqs)
+    def all_sample(self) -> bool:
+        """Every seq samples (decodes, and prompts computed whole): the next step can be
+        queued behind this one, fed by its tokens on the device."""
+        return all(s.samples for s in self.seqs)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -140,9 +141,30 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # Then admit waiting requests while the budget, the seat count and the pages allow.
-        # One that is not ready (grammar compiling, adapter not resident) is passed over: it
-        # waits, the others go ahead.
+        self._admit(batch, budget)
+        return batch
+
+    def schedule_ahead(self, reqs: list[Request]) -> Batch | None:
+        """The step after the one in flight, scheduled before its tokens are known: each of
+        `reqs` (running; the step in flight draws its next token) decodes that token, and
+        waiting requests start beside them when all they must compute fits this step. None
+        when the regular `schedule` must decide once the step in flight is done: a decode's
+        page cannot be reserved without preempting, or a request that could start needs its
+        prompt chunked."""
+        batch = Batch()
+        for req in reqs:
+            if not self._reserve(req, req.num_tokens + 1):
+                return None
+            batch.seqs.append(ScheduledSeq(req, req.num_tokens, 1))
+        if not self._admit(batch, self.max_num_batched_tokens - len(reqs), whole=True):
+            return None
+        return batch or None
+
+    def _admit(self, batch: Batch, budget: int, whole: bool = False) -> bool:
+        """Admit waiting requests into `batch` while the budget, the seat count and the pages
+        allow. One that is not ready (grammar compiling, adapter not resident) is passed over:
+        it waits, the others go ahead. With `whole`, a request is admitted only if the rest of
+        its prompt fits the budget; False when one that could start does not."""
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -150,6 +172,9 @@ class Scheduler:
                 continue
             self.cache.attach(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if whole and n < req.num_tokens - req.num_computed_tokens:
+                self.cache.detach(req)
+                return False
             if not self._reserve(req, req.num_computed_tokens + n):
                 self.cache.detach(req)
                 break
@@ -158,31 +183,7 @@ class Scheduler:
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
             budget -= n
-        return batch
-
-    def schedule_ahead(self, reqs: list[Request]) -> Batch | None:
-        """The decode step after the one in flight, scheduled before its tokens are known: each
-        of `reqs` (running; the step in flight draws its next token) decodes that token. None
-        when a request's page cannot be reserved without preempting: the regular `schedule`
-        decides that once the step in flight is done."""
-        batch = Batch()
-        for req in reqs:
-            if not self._reserve(req, req.num_tokens + 1):
-                return None
-            batch.seqs.append(ScheduledSeq(req, req.num_tokens, 1))
-        return batch or None
-
-    def admits_now(self) -> bool:
-        """Could `schedule` start a waiting request now (a seat is free and one is ready)?"""
-        if len(self.running) >= self.max_num_seqs:
-            return False
-        for req in self.waiting:
-            try:
-                if self.is_ready(req):
-                    return True
-            except Exception:  # noqa: BLE001 - `schedule` fails that request alone
-                return True
-        return False
+        return True
 
     def _startable(self, req: Request, batch: Batch) -> bool:
         """The per-request predicates: its grammar is ready, its adapter resident. They do that

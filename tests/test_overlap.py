@@ -15,14 +15,23 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+class Launches(list):
+    """Per launch, whether it was queued ahead; `prefills`: the ahead ones that started
+    requests (a prompt computed in the overlapped loop)."""
+
+    prefills = 0
+
+
 @contextmanager
 def overlapped(llm, on: bool = True):
     """Run `llm` with the overlapped schedule `on`; count the steps queued ahead."""
     eng, runner = llm.engine, llm.engine.runner
-    launch, ahead = runner.launch, []
+    launch, ahead = runner.launch, Launches()
 
     def counting(batch, after=None):
         ahead.append(after is not None)
+        if after is not None and any(s.num_new_tokens > 1 for s in batch.seqs):
+            ahead.prefills += 1
         return launch(batch, after)
 
     eng.overlap, runner.launch = on, counting
@@ -127,3 +136,42 @@ def test_overlap_constrained_outputs_validate(smollm2):
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)
     assert len(outs[8].token_ids) == 30
+
+
+def test_overlap_prefills_arrivals_ahead_and_chunks_in_sync(smollm2):
+    """Requests that arrive while the loop runs start inside it (their prompt computed in a
+    step queued ahead, beside the decodes) when the whole prompt fits a step; one that needs
+    chunks hands back to the regular schedule. Outputs are the synchronous engine's."""
+    eng = smollm2.engine
+    prompts = _prompts(5, seed=5)
+    g = torch.Generator().manual_seed(9)
+    prompts.append(torch.randint(0, 4000, (90,), generator=g).tolist())  # two chunks of 64
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
+    params += [SamplingParams(max_tokens=9, temperature=0.8, seed=4, ignore_eos=True),
+               SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True),
+               SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]
+    budget = eng.scheduler.max_num_batched_tokens
+    eng.scheduler.max_num_batched_tokens = 64
+    try:
+        with overlapped(smollm2, on=False):
+            sync = smollm2.generate(prompts, params)
+        eng.reset_prefix_cache()
+        free = eng.allocator.num_free
+        got: dict[str, list[int]] = {}
+        with overlapped(smollm2) as ahead:
+            eng.add_request("pa-0", prompts[0], params[0])
+            steps = 0
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                steps += 1
+                if 2 <= steps <= 6:  # one arrival per step while decodes run ahead
+                    i = steps - 1
+                    eng.add_request(f"pa-{i}", prompts[i], params[i])
+    finally:
+        eng.scheduler.max_num_batched_tokens = budget
+    assert ahead.prefills >= 3  # short prompts started inside the loop
+    for i, want in enumerate(sync):
+        assert got[f"pa-{i}"] == want.token_ids, i
+    eng.reset_prefix_cache()
+    assert eng.allocator.num_free == free
