@@ -281,6 +281,7 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         e = self._engine
         prefix = e.prefix_cache.stats() if hasattr(e, "prefix_cache") else PrefixCacheStats()
+        spec = getattr(getattr(e, "speculator", None), "stats", None)
         self.stats = EngineStats(
             num_running=e.num_running,
             num_waiting=e.num_waiting,
@@ -288,6 +289,10 @@ class AsyncEngine:
             kv_pages_total=e.allocator.num_pages,
             jump_forward_tokens=getattr(getattr(e, "grammar", None), "jump_forward_tokens", 0),
             prefix=prefix,
+            spec_drafted=spec.drafted if spec else 0,
+            spec_accepted=spec.accepted if spec else 0,
+            spec_forwards=spec.forwards if spec else 0,
+            spec_emitted=spec.emitted if spec else 0,
         )
 
     def _send(self, outputs: list[RequestOutput]) -> None:

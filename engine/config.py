@@ -161,6 +161,9 @@ class EngineConfig(BaseModel):
     prefix_cache: bool = setting(
         True, help="keep finished KV in the radix tree and reuse shared prefixes "
         "(--no-prefix-cache: sessions then re-prefill)")
+    num_speculative_tokens: int = setting(
+        0, ge=0, le=16, help="draft tokens per decode looked up in the sequence itself "
+        "(prompt lookup) and verified in one forward, in batches of up to 16 decodes; 0: off")
     session_kv_pages: int | None = setting(
         None, ge=0, help="KV pages a tenant's sessions keep pinned between turns "
         "(default: a quarter of the pool)")

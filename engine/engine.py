@@ -10,6 +10,7 @@ prompt fits one step; one that needs chunks hands back to the regular schedule.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -25,7 +26,8 @@ from engine.prefix_cache import PrefixCache
 from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import Batch, Scheduler
+from engine.scheduler import Batch, ScheduledSeq, Scheduler
+from engine.speculative import Speculator
 from engine.structured import GrammarStage
 from lora.layers import wrap_model
 from lora.manager import AdapterManager, UnknownAdapter
@@ -52,6 +54,8 @@ class LLMEngine:
         cfg = self.cfg = cfg.resolve(mc, device.type)  # from here on, no "auto" settings
         self.max_model_len = cfg.max_model_len
         self.overlap = cfg.overlap_schedule
+        self.speculator = (Speculator(cfg.num_speculative_tokens)
+                           if cfg.num_speculative_tokens else None)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -168,6 +172,11 @@ class LLMEngine:
             if not failed:
                 self._wait_for_background(0.05)
             return failed
+        if self.speculator is not None and self.speculator.attach(
+            batch, self._tokens_left, self.scheduler.add_draft,
+            self.scheduler.max_num_batched_tokens,
+        ):
+            return failed + self._speculate(batch)
         if self.overlap and batch.all_sample:
             first = self.runner.launch(batch)
             self.runner.sample(first, first.rows)
@@ -200,7 +209,60 @@ class LLMEngine:
         prefill overlaps too). None when the regular schedule must decide."""
         assert prev.drawn is not None, "an overlapped step's draw is queued at launch"
         reqs = [r for r in prev.drawn.reqs if not r.finished and self._tokens_left(r) > 1]
+        if self.speculator is not None and self.speculator.wants(len(reqs)):
+            return None  # the regular schedule attaches drafts
         return self.scheduler.schedule_ahead(reqs)
+
+    def _speculate(self, batch: Batch) -> list[RequestOutput]:
+        """A step whose decodes carry drafts (engine/speculative.py), run synchronously: every
+        position of a drafted decode is drawn; its accepted drafts and the token drawn after
+        them are appended, each through the stop checks, and its KV is kept up to them. The
+        seqs without drafts go through `postprocess`."""
+        step = self.runner.launch(batch)
+        seq_of = {s.request: s for s in batch.seqs}
+        offsets, prev = [], None
+        for req in step.rows:  # a drafted decode's rows are consecutive, one per position
+            offsets.append(offsets[-1] + 1 if req is prev else 0)
+            prev = req
+        self.runner.sample(step, step.rows, offsets=offsets)
+        plain: list[tuple[Request, SampleResult]] = []
+        drafted: dict[Request, list[SampleResult]] = {}
+        for req, result in self.runner.collect(step):
+            if seq_of[req].draft:
+                drafted.setdefault(req, []).append(result)
+            else:
+                plain.append((req, result))
+        outputs = self.postprocess(Batch([s for s in batch.seqs if not s.draft]), plain)
+        for req, results in drafted.items():
+            outputs.append(self._advance_drafted(seq_of[req], results))
+        return outputs
+
+    def _advance_drafted(self, seq: ScheduledSeq, results: list[SampleResult]) -> RequestOutput:
+        """Append a drafted decode's drawn tokens up to the first that differs from its draft
+        (or a row that could not be sampled), each through the stop checks."""
+        req = seq.request
+        good = list(itertools.takewhile(lambda r: r.error is None, results))
+        if not good:
+            return self._fail(req, results[0].error or "")
+        assert self.speculator is not None, "only a speculating engine drafts"
+        accepted = self.speculator.accepted(seq, [r.token_id for r in good])
+        new, lps = [], []
+        try:
+            for r in good[: accepted + 1]:
+                req.token_ids.append(r.token_id)
+                new.append(r.token_id)
+                if r.logprob is not None:
+                    lps.append(r.logprob)
+                reason = self._check_stop(req, r.token_id)
+                if reason:
+                    self._finish(req, reason)
+                    break
+        except Exception as e:
+            log.exception("request %s failed after sampling", req.request_id)
+            return self._fail(req, f"internal error: {type(e).__name__}: {e}")
+        # The KV holds the last known token and each draft equal to the token after it.
+        req.num_computed_tokens = seq.start + len(new)
+        return self._output(req, new, lps or None)
 
     def _wait_for_background(self, timeout: float) -> None:
         """Nothing could run: wait for an adapter read or a grammar compile to finish instead
@@ -314,6 +376,8 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
         self.adapters.release(req)
         self.runner.sampler.release(req.request_id)
+        if self.speculator is not None:
+            self.speculator.release(req.request_id)
         self._requests.pop(req.request_id, None)
 
     def _output(self, req: Request, new_ids: list[int], logprobs) -> RequestOutput:

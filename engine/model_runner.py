@@ -115,12 +115,20 @@ class ModelRunner:
                 self.lora.begin_step(inputs.lora_slots, inputs.num_new_tokens)
             hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[sample_rows])
-        return Step(batch, [s.request for s in seqs if s.samples], logits)
+        rows = [s.request for s in seqs for _ in range(1 + len(s.draft)) if s.samples]
+        return Step(batch, rows, logits)
 
     @torch.inference_mode()
-    def sample(self, step: Step, reqs: list[Request], masks: Future | None = None) -> None:
+    def sample(
+        self,
+        step: Step,
+        reqs: list[Request],
+        masks: Future | None = None,
+        offsets: list[int] | None = None,
+    ) -> None:
         """Queue the draw of `reqs`, the step's sampling rows still wanted (in row order), after
-        their grammar masks (`masks`: filled already; None fills them now)."""
+        their grammar masks (`masks`: filled already; None fills them now). `offsets`: the
+        rows' positions past their request's last token (`Sampler.launch`)."""
         logits = step.logits
         if reqs != step.rows:
             wanted = set(reqs)
@@ -132,7 +140,7 @@ class ModelRunner:
         # The sampler computes on finite numbers only; the rows that had others are dropped.
         logits.nan_to_num_(0.0, 0.0, 0.0)
         step.grammar_errors = GrammarStage.apply(logits, masks)
-        step.drawn = self.sampler.launch(logits, reqs, ok=finite)
+        step.drawn = self.sampler.launch(logits, reqs, ok=finite, offsets=offsets)
 
     def collect(self, step: Step) -> list[tuple[Request, SampleResult]]:
         """Wait for the step's drawn tokens (its one sync): (request, sample) per drawn row."""
@@ -178,7 +186,7 @@ class ModelRunner:
         num_seqs, sampled = len(inputs.tables), len(inputs.sample_rows)
         if num_seqs == 1 and inputs.num_new_tokens[0] > 1:
             n, extend = inputs.num_new_tokens[0], self.extend_graphs
-            if not sampled or extend is None or not extend.fits(n, inputs.context_lens[0]):
+            if sampled != 1 or extend is None or not extend.fits(n, inputs.context_lens[0]):
                 return None
             return extend.run(inputs)
         if inputs.num_decodes != num_seqs or sampled != num_seqs:  # not every seq a sampled decode
@@ -221,7 +229,9 @@ class Step:
     draw and `collect` reads it back."""
 
     batch: Batch
-    rows: list[Request]  # the requests whose last position has a row of `logits`, in order
+    # The requests whose last position has a row of `logits`, in order (a speculative
+    # decode's request once per position: `ScheduledSeq.draft`).
+    rows: list[Request]
     logits: torch.Tensor  # (len(rows), vocab) fp32
     drawn: Drawn | None = None
     grammar_errors: dict[int, str] = field(default_factory=dict)  # drawn row -> why

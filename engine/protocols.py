@@ -86,6 +86,12 @@ class EngineStats:
     kv_pages_total: int = 0
     jump_forward_tokens: int = 0
     prefix: PrefixCacheStats = PrefixCacheStats()
+    # Speculative decoding (engine/speculative.py): draft tokens verified and accepted,
+    # sequence-steps that carried drafts, and the tokens those produced.
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_forwards: int = 0
+    spec_emitted: int = 0
 
 
 class EngineClient(Protocol):

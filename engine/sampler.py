@@ -78,17 +78,23 @@ class Sampler:
 
     @torch.inference_mode()
     def launch(
-        self, logits: torch.Tensor, reqs: list[Request], ok: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        ok: torch.Tensor | None = None,
+        offsets: list[int] | None = None,
     ) -> Drawn:
         """Queue the draw of every row; nothing waits for the device.
 
         logits: [N, V] fp32, contiguous (modified in place), on any device; reqs: the N
         requests, row order. ok: [N] bool on the logits' device, or None for all; a row not ok
-        comes back with token_id -1 (its request fails). The tokens (with `ok` folded in)
+        comes back with token_id -1 (its request fails). offsets: per row, how far past its
+        request's last token the row's position is (a request may have several rows: the
+        positions of a speculative step; None: one row each). The tokens (with `ok` folded in)
         start back to the host at once, into pinned memory: `collect` waits for that copy
         only, the step's one sync.
         """
-        rows, on = self._prepare(logits, reqs)
+        rows, on = self._prepare(logits, reqs, offsets)
         tokens = self._draw(logits, rows, on)
         logprobs = None
         if rows.logprob_rows:
@@ -144,10 +150,10 @@ class Sampler:
         return st
 
     def _prepare(
-        self, logits: torch.Tensor, reqs: list[Request]
+        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None = None
     ) -> tuple[StepRows, dict[str, torch.Tensor]]:
         """The step's parameters, sent in one copy, and bias, penalties and bans applied."""
-        rows = StepRows(reqs, logits.shape[1], self._state)
+        rows = StepRows(reqs, logits.shape[1], self._state, offsets)
         on = upload_arrays(rows.arrays, logits.device)
         _adjust(logits, on)
         return rows, on

@@ -41,6 +41,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     priority: int = 0  # lower runs first; FCFS within a priority
+    speculative: bool = True  # may draft tokens when the engine speculates (engine/speculative.py)
     # Structured output, as the offline API's convenience: OpenAI's `response_format` or vLLM's
     # `structured_outputs` dict, parsed into `constraint` here and not kept. The gateway parses
     # the request once and passes `constraint` alone, so the engine only ever sees the spec.

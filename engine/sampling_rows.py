@@ -79,8 +79,16 @@ class StepRows:
     """
 
     def __init__(
-        self, reqs: list[Request], vocab: int, state: Callable[[Request, int], RowState]
+        self,
+        reqs: list[Request],
+        vocab: int,
+        state: Callable[[Request, int], RowState],
+        offsets: Sequence[int] | None = None,
     ):
+        """`offsets`: per row, how many tokens past the request's last known one its draw is
+        (a speculative step draws several positions of one request; None: all 0)."""
+        self.offsets = np.zeros(len(reqs), np.int64) if offsets is None else np.asarray(
+            offsets, np.int64)
         states = [state(r, vocab) for r in reqs]
         greedy = [st.greedy for st in states]
         self.any_greedy = any(greedy)
@@ -110,6 +118,7 @@ class StepRows:
         self.any_top_p = bool((top_p[sampled] < 1.0).any())
         self.any_min_p = bool((min_p[sampled] > 0.0).any())
         positions = np.array([len(r.token_ids) - len(r.prompt_token_ids) for r in reqs])
+        positions += self.offsets
         keys = hash32(np.array([st.seed_key for st in states]) ^ hash32(positions))
         self.arrays["floats"] = np.stack([temperature, top_p, min_p]).astype(np.float32)
         self.arrays["ints"] = np.stack([top_k.astype(np.int64), keys])
@@ -133,7 +142,7 @@ class StepRows:
             if len(st.bias_ids):
                 add("bias", row, st.bias_ids)
                 bias_values.append(st.bias_values)
-            if st.req.num_output_tokens < p.min_tokens and len(st.ban_ids):
+            if st.req.num_output_tokens + self.offsets[row] < p.min_tokens and len(st.ban_ids):
                 add("ban", row, st.ban_ids)
             if not st.penalized:
                 continue

@@ -30,6 +30,9 @@ class ScheduledSeq:
     # decode scheduled ahead, one past it (its input is the token the step in flight draws).
     # Fixed when scheduled (the step's postprocess appends tokens); read several times a step.
     samples: bool = field(init=False)
+    # Draft tokens after the last known one (engine/speculative.py): the step computes them
+    # too and samples at each of their positions; `num_new_tokens` counts them.
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_new_tokens >= self.request.num_tokens
@@ -211,6 +214,14 @@ class Scheduler:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def add_draft(self, seq: ScheduledSeq, draft: list[int]) -> bool:
+        """Extend a decode by draft tokens, if their pages can be had without preempting."""
+        if not self._reserve(seq.request, seq.start + 1 + len(draft)):
+            return False
+        seq.draft = draft
+        seq.num_new_tokens = 1 + len(draft)
+        return True
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         need = self.pages_for(num_tokens) - len(req.pages)

@@ -28,7 +28,8 @@ class StepInputs:
     # Per prefill chunk (they follow the decodes): its start among the prefill tokens, then
     # their count.
     query_start: list[int] = field(default_factory=lambda: [0])
-    sample_rows: list[int] = field(default_factory=list)  # per sampling sequence: its last token
+    # Per sampling sequence its last token (every token of a speculative decode's).
+    sample_rows: list[int] = field(default_factory=list)
     num_decodes: int = 0
 
     @classmethod
@@ -37,7 +38,8 @@ class StepInputs:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        tables, lens, lora_slots, query_start, sample_rows = [], [], [], [0], []
+        tables, lens, lora_slots, query_start = [], [], [], [0]
+        sample_rows: list[int] = []
         for s in seqs:
             req, start, n = s.request, s.start, s.num_new_tokens
             end = start + n
@@ -50,11 +52,14 @@ class StepInputs:
                 positions.append(start)
                 slots.append(_kv_slot(req.pages, start, page_size))
             else:
-                ids.extend(req.token_ids[start:end])
+                ids.extend(req.token_ids[start:end] if not s.draft else
+                           [req.token_ids[start], *s.draft])
                 positions.extend(range(start, end))
                 slots.extend(_kv_slot(req.pages, p, page_size) for p in range(start, end))
                 query_start.append(query_start[-1] + n)
-            if s.samples:
+            if s.draft:  # a speculative decode samples at every position
+                sample_rows.extend(range(len(ids) - n, len(ids)))
+            elif s.samples:
                 sample_rows.append(len(ids) - 1)
         num_decodes = len(seqs) - (len(query_start) - 1)
         return cls(ids, positions, slots, tables, lens, lora_slots, query_start, sample_rows,

@@ -85,13 +85,15 @@ class Metrics:
 
 
 class _PrefixCacheCollector:
-    """The engine's prefix-cache totals as Prometheus counters and gauges."""
+    """The engine's prefix-cache and speculative-decoding totals as Prometheus counters and
+    gauges."""
 
     def __init__(self, stats: Callable[[], EngineStats]):
         self.stats = stats
 
     def collect(self) -> Iterator[Metric]:  # prometheus_client's `Collector` protocol
-        p = self.stats().prefix
+        stats = self.stats()
+        p = stats.prefix
         for name, doc, value in [
             ("switchboard_prefix_cache_hit_tokens", "Prompt tokens served from cached KV",
              p.hit_tokens),
@@ -99,6 +101,14 @@ class _PrefixCacheCollector:
              p.miss_tokens),
             ("switchboard_prefix_cache_evicted_pages", "KV pages evicted from the prefix cache",
              p.evicted_pages),
+            ("switchboard_spec_draft_tokens", "Speculative draft tokens verified",
+             stats.spec_drafted),
+            ("switchboard_spec_accepted_tokens", "Speculative draft tokens accepted",
+             stats.spec_accepted),
+            ("switchboard_spec_forwards", "Sequence-steps that verified drafts",
+             stats.spec_forwards),
+            ("switchboard_spec_emitted_tokens", "Tokens produced by those sequence-steps "
+             "(per forward: this / switchboard_spec_forwards)", stats.spec_emitted),
         ]:
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("switchboard_prefix_cache_pages", "KV pages the prefix cache holds",

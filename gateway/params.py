@@ -200,6 +200,7 @@ def _params(
         stop=body.stop_list,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
         logprobs=logprobs,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,

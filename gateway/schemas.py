@@ -84,6 +84,7 @@ class _Generation(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)  # vLLM's: EOS and stop_token_ids banned until then
+    speculative: bool = True  # False: this request never drafts (--num-speculative-tokens)
     repetition_penalty: float | None = Field(None, gt=0)
     stop_token_ids: list[int] | None = None
 

@@ -1,0 +1,142 @@
+"""Speculative decoding (engine/speculative.py): prompt-lookup drafts verified in one forward
+give exactly the tokens of decoding one step at a time, greedy and seeded sampling alike, with
+stop strings, max_tokens and logprobs as without speculation; opted-out, penalized and
+constrained requests never draft; no page leaks."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from engine.speculative import MIN_ACCEPTANCE, PROBATION, PromptLookup, Speculator
+
+
+def test_prompt_lookup_takes_the_longest_latest_match():
+    d = PromptLookup(min_ngram=2, max_ngram=4)
+    # Suffix (2, 3, 4) occurs at 1..3: what followed it is proposed, up to k tokens.
+    assert d.propose([1, 2, 3, 4, 5, 6, 9, 9, 2, 3, 4], 3) == [5, 6, 9]
+    assert d.propose([1, 2, 3, 4, 5, 6, 9, 9, 2, 3, 4], 1) == [5]
+    # The longer match wins over a later, shorter one; among equals, the latest.
+    assert d.propose([7, 1, 2, 8, 5, 1, 2, 9, 5, 1, 2], 2) == [9, 5]
+    assert d.propose([1, 2, 7, 3, 1, 2, 8, 0, 1, 2], 1) == [8]
+    assert d.propose([1, 2, 3], 3) == []  # no earlier occurrence
+    assert d.propose([4, 2, 5, 2], 3) == []  # a 1-token match is below min_ngram
+
+
+@contextmanager
+def speculating(llm, k: int = 4):
+    eng = llm.engine
+    eng.speculator = Speculator(k)
+    try:
+        yield eng.speculator
+    finally:
+        eng.speculator = None
+
+
+def _copy_prompts(llm) -> list[list[int]]:
+    """Chat prompts that ask to repeat text: the model copies its context, so drafts hit."""
+    texts = [
+        "def add_numbers(first_value, second_value):\n    return first_value + second_value\n",
+        '{"service": "billing", "status": 503, "region": "eu-west-1", "retry": true}',
+        "The quick brown fox jumps over the lazy dog. The quick brown fox jumps again.",
+    ]
+    tok = llm.tokenizer
+    return [tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this exactly:\n{t}"}], tokenize=False,
+        add_generation_prompt=True)) for t in texts]
+
+
+def test_speculation_gives_the_tokens_of_plain_decoding(smollm2):
+    prompts = _copy_prompts(smollm2)
+    prompts = [prompts[0], prompts[1], prompts[2], prompts[0], prompts[1]]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=11),
+        SamplingParams(max_tokens=30, temperature=0, logprobs=2),
+        SamplingParams(max_tokens=7, temperature=0),  # max_tokens inside a draft
+        SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=5),
+    ]
+    plain = smollm2.generate(prompts, params)
+    # A stop string met inside an accepted draft ends the request there.
+    text = plain[0].text
+    params[3] = SamplingParams(max_tokens=40, temperature=0, stop=[text[20:26]])
+    plain[3] = smollm2.generate([prompts[3]], [params[3]])[0]
+    assert plain[3].finish_reason == "stop"
+
+    eng = smollm2.engine
+    eng.reset_prefix_cache()
+    free = eng.allocator.num_free
+    with speculating(smollm2) as spec:
+        got = smollm2.generate(prompts, params)
+    assert spec.stats.forwards > 0 and spec.stats.accepted > 0
+    assert spec.stats.emitted > spec.stats.forwards  # more than one token per forward
+    for g, want in zip(got, plain, strict=True):
+        assert (g.token_ids, g.text, g.finish_reason) == (
+            want.token_ids, want.text, want.finish_reason)
+    lps, want_lps = got[2].logprobs or [], plain[2].logprobs or []
+    assert [lp.token_id for lp in lps] == [lp.token_id for lp in want_lps]
+    assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in want_lps],
+                                                       abs=1e-3)
+    eng.reset_prefix_cache()
+    assert eng.allocator.num_free == free
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(smollm2):
+    """Each position is drawn with the noise it has without speculation, and a draft is
+    accepted exactly when it is the token drawn: over many seeds, identical outputs (so the
+    same distribution)."""
+    prompt = _copy_prompts(smollm2)[1]
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in range(12)]
+    plain = smollm2.generate([prompt] * 12, params)
+    with speculating(smollm2, k=3) as spec:
+        got = smollm2.generate([prompt] * 12, params)
+    assert spec.stats.drafted > 0
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    assert len({tuple(p.token_ids) for p in plain}) > 1  # the seeds do sample
+
+
+def test_opted_out_penalized_and_constrained_requests_do_not_draft(smollm2):
+    prompt = _copy_prompts(smollm2)[0]
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
+    for params in (SamplingParams(max_tokens=20, temperature=0, speculative=False),
+                   SamplingParams(max_tokens=20, temperature=0, frequency_penalty=0.5),
+                   SamplingParams(max_tokens=20, temperature=0, response_format=rf)):
+        with speculating(smollm2) as spec:
+            smollm2.generate([prompt], [params])
+        assert spec.stats.drafted == 0, params
+
+
+def test_a_request_whose_drafts_fail_stops_drafting():
+    from engine.request import Request
+    from engine.scheduler import ScheduledSeq
+
+    spec = Speculator(4)
+    req = Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
+    seq = ScheduledSeq(req, 4, 1)
+    seq.draft = [3, 1, 2, 3]
+    assert spec._eligible(req)
+    while spec.stats.drafted < PROBATION:
+        assert spec.accepted(seq, [9, 9, 9, 9, 9]) == 0  # every draft rejected
+    assert not spec._eligible(req)
+    spec.release("r")
+    assert spec._eligible(req)
+    assert spec.accepted(seq, [3, 1, 7, 3, 0]) == 2
+    assert MIN_ACCEPTANCE > 0
+
+
+def test_serve_flag_sets_speculation() -> None:
+    import argparse
+
+    from gateway.cli import add_serve_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--num-speculative-tokens", "4", "--port", "0"])
+    assert config_from_args(args).num_speculative_tokens == 4
+    from gateway.config import ConfigError
+
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        config_from_args(parser.parse_args(["serve", "--num-speculative-tokens", "-1"]))
