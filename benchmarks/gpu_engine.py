@@ -29,6 +29,7 @@ from gpu_common import (
 )
 
 from engine import LLM
+from engine.speculative import Speculator
 from kernels.seg_lora import segment_table
 from lora.batch import LoraBatchInfo, graph_kernel
 from lora.slots import FUSED, LoraSlots
@@ -98,6 +99,8 @@ def main() -> None:
         constrained(llm, s, prompts[:64], args.steps * 2)
     with rec.section("session", 30) as s:
         session_ttft(llm, s, vocab)
+    with rec.section("speculative", 40) as s:
+        speculative(llm, s, prompts, args.steps)
     if args.big:
         with rec.section("decode_big", 90) as s:
             decode_grid(llm, s, [(args.big, args.big), (args.big, 0)], prompts, args.steps,
@@ -210,6 +213,37 @@ def lora_kernel(s: Section, cfg, bw: float, batch: int = 64) -> None:
     s.result.update(lora_kernel_bw_fraction=round(nbytes / t / bw, 3),
                     lora_kernel_bytes_per_pass=nbytes, lora_kernel_pass_ms=round(t * 1e3, 3),
                     lora_kernel_launches_per_pass=small.num_layers * len(FUSED))
+
+
+class RepeatLast:
+    """A drafter that always proposes k drafts (the last token again): every decode step then
+    verifies k + 1 positions, whatever is accepted, which is the cost measured."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return [tokens[-1]] * k
+
+
+def speculative(llm: LLM, s: Section, prompts, steps: int, k: int = 4) -> None:
+    """The step time of verifying k drafts per decode ÷ a plain decode step (CUDA graph) at
+    batch 1 and 16, and batch-64 decode throughput with speculation enabled ÷ without (it stays
+    off there: more than `MAX_BATCH` decodes). Two interleaved rounds each, best of each."""
+    eng = llm.engine
+    for b in (1, 16, 64):
+        runs: dict[str, list] = {"off": [], "on": []}
+        for _ in range(2):
+            for kind in runs:
+                eng.speculator = Speculator(k, RepeatLast()) if kind == "on" else None
+                try:
+                    runs[kind].append(decode_round(llm, prompts[:b], lambda i, n: greedy(n),
+                                                   steps))
+                finally:
+                    eng.speculator = None
+        off, on = (min(r.step_s for r in runs[kind]) for kind in ("off", "on"))
+        s.result[f"step_ms_b{b}"] = {"plain": round(off * 1e3, 2), "spec": round(on * 1e3, 2)}
+        if b == 64:
+            s.result["spec_on_vs_off_b64"] = round(off / on, 3)
+        else:
+            s.result[f"spec_verify_cost_b{b}"] = round(on / off, 3)
 
 
 def constrained(llm: LLM, s: Section, prompts, steps: int) -> None:

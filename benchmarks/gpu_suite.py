@@ -45,14 +45,17 @@ TARGETS = {"lora_vs_base_b64": 0.90, "lora64_roofline_fraction_b64": 0.75,
            "constrained_vs_unconstrained_b64": 0.97, "lora_kernel_bw_fraction": 0.70,
            "session_ttft_speedup_4k": 10, "sampled_vs_greedy_e2e": 0.95,
            "long_ctx_roofline_16x8k": 0.85, "long_ctx_roofline_64x4k": 0.85,
-           "http_vs_offline_c128": 0.90, "prefill_mfu": 0.75}
+           "http_vs_offline_c128": 0.90, "prefill_mfu": 0.75, "spec_verify_cost_b1": 1.15,
+           "spec_verify_cost_b16": 1.15, "spec_on_vs_off_b64": 0.98}
+AT_MOST = {"spec_verify_cost_b1", "spec_verify_cost_b16"}  # targets that are ceilings
 SOURCE = {"lora_vs_base_b64": "decode", "lora64_roofline_fraction_b64": "decode",
           "roofline_fraction_b64": "decode", "vs_transformers": "vs_transformers",
           "lora_vs_peft_b64": "vs_peft", "constrained_vs_unconstrained_b64": "constrained",
           "lora_kernel_bw_fraction": "lora_kernel", "session_ttft_speedup_4k": "session",
           "sampled_vs_greedy_e2e": "sampled", "long_ctx_roofline_16x8k": "long_ctx",
           "long_ctx_roofline_64x4k": "long_ctx", "http_vs_offline_c128": "http",
-          "prefill_mfu": "prefill"}
+          "prefill_mfu": "prefill", "spec_verify_cost_b1": "speculative",
+          "spec_verify_cost_b16": "speculative", "spec_on_vs_off_b64": "speculative"}
 FULL = {"tests": 150, "engine": 220, "baselines": 170, "serve": 90, "e2e": 420}
 QUICK = {"tests": 45, "engine": 75, "baselines": 50, "serve": 90, "e2e": 150}
 PARTS = ("tests", "engine", "baselines", "serve", "e2e")
@@ -256,8 +259,11 @@ def render(r: dict) -> str:
         sec = r["sections"].get(SOURCE[key], {})
         note = "" if value is not None else (sec.get("status") or "section did not run")
         shown = "n/a" if value is None else value
-        met = "" if value is None else (" (met)" if value >= target else " (missed)")
-        lines.append(f"| {key} | {shown} | >= {target}{met} | {note[:120]} |")
+        ceiling = key in AT_MOST
+        ok = value is not None and (value <= target if ceiling else value >= target)
+        met = "" if value is None else (" (met)" if ok else " (missed)")
+        lines.append(f"| {key} | {shown} | {'<=' if ceiling else '>='} {target}{met} | "
+                     f"{note[:120]} |")
     trace = r.get("agent_trace")
     if trace:
         lines.append(f"| agent_trace output tok/s | {trace['output_tok_s']} | | {trace['turns']} "
