@@ -231,6 +231,9 @@ class DecodeGraphs(_GraphSet):
         return self.model.compute_logits(hidden)
 
 
+EXTEND_ROWS = 17  # logits rows of an extend graph: a speculative decode's 1 + up to 16 drafts
+
+
 def extend_sizes(max_tokens: int) -> list[int]:
     """Padded chunk lengths of the extend graphs: every 16 up to 128, then every 32 up to 256
     (padding costs attention work), capped at `max_tokens`."""
@@ -246,7 +249,9 @@ class ExtendGraphs(_GraphSet):
     `b >= n`: the chunk becomes `b` queries at positions `ctx - n .. ctx - n + b - 1`. The
     `b - n` padding queries come after the real ones, so causality hides them from every real
     query; they write their K/V to the pad page, read the pad page past the context, and only
-    the last real token's logits are kept. One sequence is one adapter, so LoRA is segmented.
+    the sampled tokens' logits are kept: the last real one's, or every position of a
+    speculative decode's (up to `EXTEND_ROWS`). One sequence is one adapter, so LoRA is
+    segmented.
     """
 
     lora_kernels = ("segmented",)
@@ -272,7 +277,7 @@ class ExtendGraphs(_GraphSet):
             "input_ids": (torch.long, (b,), 0),
             "positions": (torch.long, (b,), 0),
             "slot_mapping": (torch.long, (b,), pad_page * page_size),
-            "sample_row": (torch.long, (1,), 0),
+            "sample_rows": (torch.long, (EXTEND_ROWS,), 0),
             "lens": (torch.int32, (1,), b),
             "seg_indptr": (torch.int32, (b + 1,), 0),
             "seg_slots": (torch.int32, (b,), -1),
@@ -291,9 +296,10 @@ class ExtendGraphs(_GraphSet):
         return context - num_tokens + b <= self.max_pages * self.page_size
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Replay for a step of one sequence's chunk of `n` tokens, sampled at its last. Returns
-        the fp32 logits [1, vocab] of that token (a view, valid until the next replay)."""
-        n = len(inputs.input_ids)
+        """Replay for a step of one sequence's chunk of `n` tokens, sampled at its
+        `inputs.sample_rows` (at most `EXTEND_ROWS`). Returns the fp32 logits [rows, vocab] of
+        those tokens (a view, valid until the next replay)."""
+        n, rows = len(inputs.input_ids), inputs.sample_rows
         b = next(s for s in self.sizes if s >= n)
         start, pages, slot = inputs.positions[0], inputs.tables[0], inputs.lora_slots[0]
         h = self._stage()
@@ -306,14 +312,15 @@ class ExtendGraphs(_GraphSet):
         h["table"][0, : len(pages)] = pages
         h["table"][0, len(pages) :] = self.pad_page
         h["lens"][0] = start + b
-        h["sample_row"][0] = n - 1
+        h["sample_rows"][: len(rows)] = rows
+        h["sample_rows"][len(rows) :] = n - 1  # unread rows
         kernel = "segmented" if self.lora is not None and slot >= 0 else None
         if kernel:  # the padding queries are in no segment
             _stage_segments(h, [slot] * n, b)
         self._send("table", 1)
         graph, logits = self.graphs[(b, kernel)]
         graph.replay()
-        return logits
+        return logits[: len(rows)]
 
     def _forward(self, b: int) -> torch.Tensor:
         d = self.inputs.dev
@@ -330,4 +337,4 @@ class ExtendGraphs(_GraphSet):
             max_prefill_len=b,
         )
         hidden = self.model(d["input_ids"][:b], d["positions"][:b], self.kv_caches, meta)
-        return self.model.compute_logits(hidden.index_select(0, d["sample_row"]))
+        return self.model.compute_logits(hidden.index_select(0, d["sample_rows"]))

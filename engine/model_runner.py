@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, ExtendGraphs
+from engine.cuda_graphs import EXTEND_ROWS, DecodeGraphs, ExtendGraphs
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Drawn, Sampler, SampleResult
@@ -186,7 +186,8 @@ class ModelRunner:
         num_seqs, sampled = len(inputs.tables), len(inputs.sample_rows)
         if num_seqs == 1 and inputs.num_new_tokens[0] > 1:
             n, extend = inputs.num_new_tokens[0], self.extend_graphs
-            if sampled != 1 or extend is None or not extend.fits(n, inputs.context_lens[0]):
+            if not 1 <= sampled <= EXTEND_ROWS or extend is None or not extend.fits(
+                    n, inputs.context_lens[0]):
                 return None
             return extend.run(inputs)
         if inputs.num_decodes != num_seqs or sampled != num_seqs:  # not every seq a sampled decode
