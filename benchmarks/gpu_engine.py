@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,9 @@ def main() -> None:
     ap.add_argument("--big", type=int, default=256, help="batch of the last, largest config "
                     "(as many distinct adapters; 0 skips it)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per config")
+    ap.add_argument("--qwen3-model", default="synthetic:qwen3-8b", help="the Qwen3 model of "
+                    "qwen3_roofline_fraction_b64, loaded last, in the first one's place "
+                    "('' skips it)")
     args = ap.parse_args()
     rec = Recorder(args.out, args.budget)
     most = max([*args.distinct, 8, args.big, 64])
@@ -105,6 +109,12 @@ def main() -> None:
         with rec.section("decode_big", 90) as s:
             decode_grid(llm, s, [(args.big, args.big), (args.big, 0)], prompts, args.steps,
                         setup, warm=False)
+    if args.qwen3_model:
+        del llm  # its weights and KV pool make room for the next model's
+        gc.collect()
+        torch.cuda.empty_cache()
+        with rec.section("qwen3", 60) as s:
+            qwen3_roofline(args.qwen3_model, s, prompts[:64], args.steps, bw)
 
 
 def decode_grid(llm: LLM, s: Section, grid, prompts, steps: int, setup, warm=True) -> None:
@@ -141,6 +151,28 @@ def derive(s: Section, setup) -> None:
         s.result["roofline_fraction_b64"] = d["base_b64"]["roofline_fraction"]
     if "lora_64_b64" in d:
         s.result["lora64_roofline_fraction_b64"] = d["lora_64_b64"]["roofline_fraction"]
+
+
+def qwen3_roofline(model: str, s: Section, prompts, steps: int, bw: float) -> None:
+    """`qwen3_roofline_fraction_b64`: batch-64 greedy decode of a Qwen3 model (its per-head
+    q/k norms in every layer), its bytes per step (weights + the batch's KV) over the step time
+    against the copy bandwidth measured in setup: the same figure as `roofline_fraction_b64`
+    for the Llama preset, on an engine of its own without LoRA slots."""
+    pages_per_seq = -(-(PROMPT_LEN + steps + 80) // 16)
+    llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=len(prompts),
+              max_num_batched_tokens=16384, num_pages=len(prompts) * pages_per_seq + 64,
+              max_loras=0)
+    cfg = llm.engine.model_config
+    wbytes, kv = weight_bytes(llm.engine.model), kv_bytes_per_token(cfg, 2)
+    decode_round(llm, prompts, lambda i, n: greedy(n), 2)  # CUDA graphs, autotuning
+    rounds = [decode_round(llm, prompts, lambda i, n: greedy(n), steps) for _ in range(2)]
+    r = min(rounds, key=lambda r: r.step_s)
+    nbytes = wbytes + len(prompts) * r.mean_context * kv
+    s.result.update(model=model, architecture=cfg.architecture, weight_bytes=wbytes,
+                    step_ms=round(r.step_s * 1e3, 2), mean_context=round(r.mean_context, 1),
+                    mean_running=round(r.mean_running, 1), bytes_per_step=int(nbytes),
+                    decode_tok_s=round(r.tok_s, 1),
+                    qwen3_roofline_fraction_b64=round(nbytes / bw / r.step_s, 3))
 
 
 def lora_vs_base(llm: LLM, s: Section, prompts, steps: int, rounds: int = 3) -> None:

@@ -1,5 +1,5 @@
-"""transformers' LlamaForCausalLM over the very tensors of an engine's model (no copies), so
-a baseline runs the same weights on the same GPU."""
+"""transformers' model (Llama, Qwen3, ...) over the very tensors of an engine's model (no
+copies), so a baseline runs the same weights on the same GPU."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ def transformers_twin(llm: LLM) -> torch.nn.Module:
         for name, t in zip("qkv", parts, strict=True):
             state[f"{p}self_attn.{name}_proj.weight"] = t
         state[f"{p}self_attn.o_proj.weight"] = _weight(attn.o_proj)
+        if attn.qk_norm is not None:  # Qwen3
+            state[f"{p}self_attn.q_norm.weight"] = attn.qk_norm.q_norm.weight
+            state[f"{p}self_attn.k_norm.weight"] = attn.qk_norm.k_norm.weight
         gate, up = _weight(mlp.gate_up_proj).split(cfg.intermediate_size)
         state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"] = gate, up
         state[f"{p}mlp.down_proj.weight"] = _weight(mlp.down_proj)

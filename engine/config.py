@@ -20,6 +20,7 @@ from pydantic_core import PydanticUndefined
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=None` loads
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+ReasoningParser = Literal["auto", "none", "qwen3", "deepseek_r1"]  # engine/reasoning.py
 DTYPE_BYTES: dict[Dtype, int] = {"float32": 4, "bfloat16": 2, "float16": 2}  # KV pool sizing
 
 
@@ -44,10 +45,12 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
 
-    SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM")
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -55,6 +58,8 @@ class ModelConfig:
         arch = archs[0]
         if arch not in cls.SUPPORTED:
             raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {cls.SUPPORTED}")
+        if cfg.get("use_sliding_window"):
+            raise ModelLoadError("sliding-window attention (use_sliding_window) is not supported")
         try:
             heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
@@ -74,6 +79,7 @@ class ModelConfig:
                 rope_scaling=cfg.get("rope_scaling") or cfg.get("rope_parameters"),
                 tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
                 eos_token_ids=eos_ids,
                 architecture=arch,
             )
@@ -158,6 +164,10 @@ class EngineConfig(BaseModel):
         default_factory=default_cache_dir, metavar="DIR",
         help="where converted GGUF and synthetic models are kept (default: "
         "$XDG_CACHE_HOME/switchboard)")
+    reasoning_parser: ReasoningParser = setting(
+        "auto", help="the model's reasoning markers: the text between them is reasoning_content "
+        "and a constraint starts after them (auto: <think>...</think> when the chat template "
+        "uses them; none: the output is all answer)")
     prefix_cache: bool = setting(
         True, help="keep finished KV in the radix tree and reuse shared prefixes "
         "(--no-prefix-cache: sessions then re-prefill)")

@@ -23,6 +23,7 @@ from engine.messages import RequestOutput
 from engine.model_runner import ModelRunner, Step
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache
+from engine.reasoning import Reasoning, ReasoningDetokenizer, ReasoningFormat
 from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -60,6 +61,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.decoder = Decoder(self.tokenizer)  # shared by the requests' detokenizers
+        self.reasoning_format = ReasoningFormat.for_tokenizer(self.tokenizer,
+                                                              cfg.reasoning_parser)
 
         self.allocator = PageAllocator(cfg.num_pages)
         self.grammar = GrammarStage(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
@@ -126,11 +129,21 @@ class LLMEngine:
         except UnknownAdapter:
             raise InvalidRequestError(f"unknown adapter {params.adapter!r}", "model") from None
         req.adapter_uid = self.adapters.uid_of(req)
-        req.output_state = IncrementalDetokenizer(self.decoder, req.prompt_token_ids, params.stop)
+        req.output_state = self._output_stage(req)
         self.grammar.submit(req)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _output_stage(self, req: Request) -> IncrementalDetokenizer | ReasoningDetokenizer:
+        """The request's detokenizer; a reasoning one (and `req.reasoning`) when the model
+        reasons and the request asks for it."""
+        p, fmt = req.params, self.reasoning_format
+        if fmt is None or not p.reasoning:
+            return IncrementalDetokenizer(self.decoder, req.prompt_token_ids, p.stop)
+        thinking = fmt.thinks_first(req.prompt_token_ids, self.tokenizer)
+        req.reasoning = Reasoning(fmt, p.max_reasoning_tokens, thinking)
+        return ReasoningDetokenizer(self.decoder, req.prompt_token_ids, p.stop, req.reasoning)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
@@ -381,6 +394,7 @@ class LLMEngine:
         self._requests.pop(req.request_id, None)
 
     def _output(self, req: Request, new_ids: list[int], logprobs) -> RequestOutput:
+        r = req.reasoning
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
@@ -392,4 +406,6 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             logprobs=logprobs,
             error=req.error,
+            new_reasoning_text=req.output_state.take_reasoning(req.finished) if r else "",
+            num_reasoning_tokens=r.num_tokens if r else 0,
         )

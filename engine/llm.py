@@ -25,6 +25,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # why, when finish_reason is "error"
+    # A reasoning model's reasoning (not in `text`) and its tokens, markers included.
+    reasoning_text: str = ""
+    num_reasoning_tokens: int = 0
 
 
 class LLM:
@@ -68,6 +71,8 @@ class LLM:
                 r = results[out.request_id]
                 r.token_ids.extend(out.new_token_ids)
                 r.text += out.new_text
+                r.reasoning_text += out.new_reasoning_text
+                r.num_reasoning_tokens = out.num_reasoning_tokens
                 if out.logprobs:
                     r.logprobs = (r.logprobs or []) + out.logprobs
                 if out.finished:
@@ -94,14 +99,17 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         params: SamplingParams | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[CompletionOutput]:
-        """Apply the model's chat template to one conversation (or a list of them)."""
+        """Apply the model's chat template to one conversation (or a list of them), with
+        `chat_template_kwargs` (e.g. `enable_thinking=False`) as the template's variables."""
         one = bool(messages) and isinstance(messages[0], dict)
         convs = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
         prompts: list[list[int]] = []
         for c in convs:
             text = self.tokenizer.apply_chat_template(c, add_generation_prompt=True,
-                                                      tokenize=False)
+                                                      tokenize=False,
+                                                      **(chat_template_kwargs or {}))
             assert isinstance(text, str)  # tokenize=False: the rendered text
             prompts.append(self._encode(text, special=False))
         return self.generate(prompts, params)

@@ -139,6 +139,9 @@ def load_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalL
         put(m + "gate_up_proj.weight", m + "gate_proj.weight", m + "up_proj.weight")
         if cfg.qkv_bias:
             put(a + "qkv_proj.bias", *(f"{a}{x}_proj.bias" for x in "qkv"))
+        if cfg.qk_norm:
+            put(a + "qk_norm.q_norm.weight", a + "q_norm.weight")
+            put(a + "qk_norm.k_norm.weight", a + "k_norm.weight")
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint {folder} is missing {len(missing)} tensors: {shown}")

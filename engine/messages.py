@@ -47,3 +47,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # A reasoning model's (engine/reasoning.py): the reasoning text's delta (not in new_text)
+    # and the output tokens its reasoning took so far, markers included.
+    new_reasoning_text: str = ""
+    num_reasoning_tokens: int = 0

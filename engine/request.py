@@ -53,6 +53,8 @@ class Request:
     # Structured output: the grammar compiling (a Future) until it is ready, then the matcher.
     pending_grammar: Any = None
     matcher: Any = None
+    # A reasoning model's phase (engine/reasoning.py `Reasoning`): None when it does not reason.
+    reasoning: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

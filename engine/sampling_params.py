@@ -49,6 +49,10 @@ class SamplingParams:
     structured_outputs: InitVar[dict[str, Any] | None] = None
     constraint: ConstraintSpec | None = None
     adapter: str | None = None
+    # A reasoning model's output starts with its reasoning (engine/reasoning.py): kept apart,
+    # and a constraint applies after it. False: the output is all answer (raw completions).
+    reasoning: bool = True
+    max_reasoning_tokens: int | None = None  # then the end marker is forced (it counts too)
 
     def __post_init__(
         self, response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
@@ -102,6 +106,11 @@ class SamplingParams:
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}",
                 "repetition_penalty",
             )
+        if self.max_reasoning_tokens is not None and not (
+            isinstance(self.max_reasoning_tokens, int) and self.max_reasoning_tokens >= 1
+        ):
+            raise bad(f"max_reasoning_tokens must be an integer >= 1, got "
+                      f"{self.max_reasoning_tokens!r}", "max_reasoning_tokens")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty", "stop")
         if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):

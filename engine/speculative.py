@@ -136,5 +136,7 @@ class Speculator:
         p = req.params
         if not p.speculative or req.matcher is not None or p.needs_penalties:
             return False
+        if req.reasoning is not None:  # its budget counts tokens one by one
+            return False
         drafted, accepted = self._record.get(req.request_id, (0, 0))
         return drafted < PROBATION or accepted >= MIN_ACCEPTANCE * drafted

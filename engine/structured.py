@@ -3,8 +3,13 @@ sampler, advance on postprocess.
 
 Grammars compile in `grammar.GrammarCompiler`'s capped worker subprocesses; a request waits
 (`is_ready` false) until its grammar is compiled while the others keep running. Each step the
-bitmasks of the constrained rows are filled on a helper thread while the forward runs, then
+bitmasks of the masked rows are filled on a helper thread while the forward runs, then
 applied to those rows only.
+
+A reasoning request (engine/reasoning.py) is gated: while it thinks, its matcher sees no token
+and its row only bans the end of the output (a constrained answer must still come); the budget's
+last reasoning token is forced to be the end marker; the constraint applies from the first
+token after it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +39,7 @@ class GrammarStage:
         self._starter = ThreadPoolExecutor(1, thread_name_prefix="grammar-start")
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
         self.jump_forward_tokens = 0  # tokens appended without sampling (metrics)
+        self._words = -(-vocab_size // 32)
 
     @property
     def compiler(self):
@@ -87,22 +94,40 @@ class GrammarStage:
     # -- the mask stage -------------------------------------------------------------------
 
     def start_fill(self, reqs: list[Request]) -> Future | None:
-        """Fill the bitmask rows of the constrained requests among `reqs` (the step's sampling
-        rows, in order) on the helper thread; None when none is constrained."""
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if not rows:
+        """Fill the bitmask rows of the masked requests among `reqs` (the step's sampling
+        rows, in order) on the helper thread; None when none is masked."""
+        fillers = [(i, f) for i, r in enumerate(reqs) if (f := self._filler_of(r)) is not None]
+        if not fillers:
             return None
-        return self._filler.submit(self._fill, [reqs[i].matcher for i in rows], rows, len(reqs))
+        return self._filler.submit(self._fill, fillers, len(reqs))
 
-    def _fill(self, matchers: list[Any], rows: list[int], n: int):
-        words = -(-self.vocab_size // 32)
+    def _filler_of(self, req: Request) -> Callable[[torch.Tensor, int], None] | None:
+        """What fills the request's row (`fill(bitmask, row)`), decided now, on the engine
+        thread; None: the row is not masked."""
+        r = req.reasoning
+        if r is not None and r.thinking:
+            if r.must_end:
+                return partial(_only_token, r.fmt.end_id)
+            if req.matcher is not None:
+                return partial(self._not_ending, req.params.stop_token_ids)
+            return None
+        return None if req.matcher is None else req.matcher.fill_bitmask
+
+    def _not_ending(self, stop_token_ids: list[int], bitmask: torch.Tensor, row: int) -> None:
+        """Every token but those that end the output (EOS, the request's stop ids)."""
+        for t in (*self.stop_token_ids, *stop_token_ids):
+            if 0 <= t < self.vocab_size:
+                bitmask[row, t // 32] &= _int32(~(1 << (t % 32)) & 0xFFFFFFFF)
+
+    def _fill(self, fillers: list[tuple[int, Callable[[torch.Tensor, int], None]]], n: int):
         # Pinned where there is a GPU, so `apply` uploads it without waiting for the forward.
-        bitmask = torch.full((n, words), -1, dtype=torch.int32,
+        bitmask = torch.full((n, self._words), -1, dtype=torch.int32,
                              pin_memory=torch.cuda.is_available())  # (rows, vocab / 32)
         errors: dict[int, str] = {}
-        for m, row in zip(matchers, rows, strict=True):
+        rows = [row for row, _ in fillers]
+        for row, fill in fillers:
             try:
-                m.fill_bitmask(bitmask, row)
+                fill(bitmask, row)
             except Exception as e:  # noqa: BLE001 - fails this row's request, not the batch
                 errors[row] = f"the grammar backend failed: {type(e).__name__}: {e}"
                 continue
@@ -125,9 +150,10 @@ class GrammarStage:
     @staticmethod
     def accept(req: Request, token: int) -> str | None:
         """Advance the matcher; an error message if the grammar refuses the token (the mask
-        allowed it: a backend defect) or the backend fails on it (a resource limit)."""
+        allowed it: a backend defect) or the backend fails on it (a resource limit). Reasoning
+        tokens (the end marker included) pass the gate: the matcher never sees them."""
         try:
-            if req.matcher is None or req.matcher.accept(token):
+            if req.matcher is None or _thinking(req) or req.matcher.accept(token):
                 return None
         except BackendError as e:
             return f"the grammar backend failed on sampled token {token}: {e}"
@@ -141,7 +167,7 @@ class GrammarStage:
         final forced token is left for the model to sample, since it could merge with what
         follows. The engine appends these tokens; the next step computes them as one chunk.
         """
-        if req.matcher is None or limit <= 1:
+        if req.matcher is None or limit <= 1 or _thinking(req):
             return []
         forced = req.matcher.forced_continuation()
         if not forced:
@@ -162,7 +188,7 @@ class GrammarStage:
 
     @staticmethod
     def terminated(req: Request) -> bool:
-        return req.matcher is not None and req.matcher.is_terminated()
+        return req.matcher is not None and not _thinking(req) and req.matcher.is_terminated()
 
     @staticmethod
     def check(req: Request, text: str) -> str | None:
@@ -178,6 +204,20 @@ class GrammarStage:
         self._filler.shutdown(wait=False)
         if self._compiler is not None:
             self._compiler.close()
+
+
+def _thinking(req: Request) -> bool:
+    return req.reasoning is not None and req.reasoning.thinking
+
+
+def _int32(bits: int) -> int:
+    """32 bits as the signed value an int32 bitmask word holds."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+def _only_token(token: int, bitmask: torch.Tensor, row: int) -> None:
+    bitmask[row] = 0
+    bitmask[row, token // 32] = _int32(1 << (token % 32))
 
 
 def _forward(submit: Callable[[], Future], out: Future) -> None:

@@ -1,11 +1,12 @@
-"""Synthetic models for benchmarks: real Llama-3 shapes, random weights made on the device.
+"""Synthetic models for benchmarks: real Llama-3 and Qwen3 shapes, random weights made on the
+device.
 
-`model="synthetic:llama3-8b"` (or `llama3-1b`, or `tiny` for tests) needs no download: the
-preset becomes an HF-style folder in the cache (config.json, the SmolLM2 tokenizer shipped in
-`engine/assets`, and `synthetic.json` in place of weights), and `engine.loader.load_model`
-fills the weights where the model lives. The vocabulary is the SmolLM2 tokenizer's (49152
-tokens), not Llama 3's 128256, so the embedding table and lm_head are smaller than the real
-model's; every other tensor has the real shape.
+`model="synthetic:llama3-8b"` (or `llama3-1b`, `qwen3-8b`, or `tiny` / `qwen3-tiny` for tests)
+needs no download: the preset becomes an HF-style folder in the cache (config.json, the SmolLM2
+tokenizer shipped in `engine/assets`, and `synthetic.json` in place of weights), and
+`engine.loader.load_model` fills the weights where the model lives. The vocabulary is the
+SmolLM2 tokenizer's (49152 tokens), not Llama 3's 128256 or Qwen3's 151936, so the embedding
+table and lm_head are smaller than the real model's; every other tensor has the real shape.
 
 Weights come from a counter-based hash of each element's index, not from torch's generators,
 so the same preset gives bit-identical weights on the CPU and on a GPU (integer arithmetic is
@@ -35,6 +36,8 @@ VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's
 BOS, EOS = 1, 2  # <|im_start|>, <|im_end|>
 
 _LLAMA3_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rms_norm_eps=1e-6,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 PRESETS: dict[str, dict[str, Any]] = {
     # Meta-Llama-3-8B
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -49,7 +52,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                                        "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192}),
+    # Qwen3-8B: per-head q/k RMSNorm, 36 layers
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, tie_word_embeddings=False),
     # A few MB: CPU tests
+    "qwen3-tiny": dict(_QWEN3, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       max_position_embeddings=4096, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  max_position_embeddings=4096, rope_parameters=_LLAMA3_ROPE,
@@ -71,7 +81,7 @@ def hf_config(preset: str) -> dict[str, Any]:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": VOCAB_SIZE, "bos_token_id": BOS, "eos_token_id": EOS,
             "pad_token_id": EOS, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, **shape}
+            "attention_bias": False, "mlp_bias": False, **shape}  # a preset may override any
 
 
 def synthetic_dir(model: str, cache_dir: Path, seed: int = 0) -> Path:

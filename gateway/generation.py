@@ -29,6 +29,8 @@ class Choice:
     job: Job
     request_id: str
     text: str = ""
+    reasoning: str = ""  # a reasoning model's reasoning (engine/reasoning.py), not in `text`
+    num_reasoning_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -127,12 +129,16 @@ class Generation:
         completion = sum(len(c.token_ids) for c in self.choices.values())
         prompt = self._prompt_tokens()
         cached = sum(c.num_cached_tokens for c in self._first_per_prompt())
-        return {
+        usage: dict[str, object] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        reasoning = sum(c.num_reasoning_tokens for c in self.choices.values())
+        if reasoning:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     # -- accounting ---------------------------------------------------------------------
 
@@ -148,6 +154,8 @@ class Generation:
     def _update(self, choice: Choice, out: RequestOutput) -> None:
         now = time.monotonic()
         choice.text += out.new_text
+        choice.reasoning += out.new_reasoning_text
+        choice.num_reasoning_tokens = out.num_reasoning_tokens or choice.num_reasoning_tokens
         if out.new_token_ids:
             if choice.first_token_at is None:
                 choice.first_token_at = now

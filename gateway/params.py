@@ -119,12 +119,30 @@ def plan_chat(
     constraint = resolve_constraint(body, tools, fmt or HERMES)
     messages, rendered_tools = render_messages(body, tools, native=fmt is not None)
     try:
-        prompt = tok.chat_prompt(messages, rendered_tools)
+        prompt = tok.chat_prompt(messages, rendered_tools, template_kwargs(body))
     except InvalidRequestError as e:
         raise bad_request(e.message, e.param) from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     jobs = _jobs([prompt], body, logprobs, constraint, tok, facts, adapter, "messages")
     return Plan(jobs, constraint)
+
+
+# apply_chat_template's own arguments: a request's template variables may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_kwargs(body: ChatCompletionRequest) -> dict[str, object]:
+    """`chat_template_kwargs` (e.g. enable_thinking), checked: a 400 for one that would set
+    what the gateway sets itself."""
+    kwargs = body.chat_template_kwargs or {}
+    taken = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if taken:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}",
+                          "chat_template_kwargs")
+    return kwargs
 
 
 def plan_completion(
@@ -183,6 +201,7 @@ def _params(
     choice: int,
     constraint: ConstraintSpec | None,
 ) -> SamplingParams:
+    chat = isinstance(body, ChatCompletionRequest)
     max_tokens = body.output_limit
     if max_tokens is None:  # what is left of the context, capped by the config
         max_tokens = max(1, facts.max_model_len - prompt_len)
@@ -208,6 +227,10 @@ def _params(
         logit_bias=bias,
         constraint=constraint,  # parsed once per request, shared by its choices
         adapter=adapter,
+        # A chat reply from a reasoning model reasons first; a raw completion is all answer.
+        reasoning=chat,
+        max_reasoning_tokens=(body.max_reasoning_tokens
+                              if isinstance(body, ChatCompletionRequest) else None),
     )
 
 

@@ -45,6 +45,8 @@ class ChatFormat:
         if choice.index not in self._started:
             self._started.add(choice.index)
             delta = {"role": "assistant", "content": ""}
+        if out.new_reasoning_text:
+            delta["reasoning_content"] = out.new_reasoning_text
         if out.new_text:
             delta["content"] = out.new_text
         logprobs = self._logprobs(out.logprobs) if out.logprobs else None
@@ -59,14 +61,14 @@ class ChatFormat:
     def message(self, c: Choice) -> tuple[dict[str, object], str | None]:
         spec = _tool_spec(c)
         if spec is None:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
+            return _with_reasoning({"role": "assistant", "content": c.text}, c), c.finish_reason
         # Only a finished ("stop") output was checked by the engine; otherwise keep the
         # complete calls that validate, never a call cut short.
         parsed = ToolCallParser(call_format(spec))
         parsed.feed(c.text, final=True)
         calls = valid_calls(spec, parsed.result.calls)
         # No text: `content` is null, as OpenAI's, whether or not a call came out.
-        message: dict[str, object] = {"role": "assistant", "content": parsed.result.content}
+        message = _with_reasoning({"role": "assistant", "content": parsed.result.content}, c)
         if calls:
             message["tool_calls"] = [
                 {"id": self._call_id(c.index, i), "type": "function",
@@ -83,6 +85,8 @@ class ChatFormat:
             parser = self._parsers[choice.index] = ToolCallParser(call_format(spec))
         deltas = [self._delta(choice.index, e) for e in parser.feed(out.new_text, out.finished)]
         deltas = [d for d in deltas if d]
+        if out.new_reasoning_text:  # all of it comes before the answer's first delta
+            deltas.insert(0, {"reasoning_content": out.new_reasoning_text})
         if choice.index not in self._started:
             self._started.add(choice.index)
             deltas.insert(0, {"role": "assistant", "content": None})
@@ -134,6 +138,14 @@ class ChatFormat:
             {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
             for lp in lps
         ]}
+
+
+def _with_reasoning(message: dict[str, object], c: Choice) -> dict[str, object]:
+    """`message` with the choice's `reasoning_content` when it reasoned (as vLLM and SGLang
+    name it)."""
+    if c.num_reasoning_tokens:
+        message["reasoning_content"] = c.reasoning
+    return message
 
 
 def _tool_spec(c: Choice) -> ConstraintSpec | None:

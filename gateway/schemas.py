@@ -129,6 +129,10 @@ class ChatCompletionRequest(_Generation):
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models (engine/reasoning.py): the chat template's extra variables (e.g.
+    # enable_thinking) and the reasoning budget, after which the end marker is forced.
+    chat_template_kwargs: dict[str, object] | None = None
+    max_reasoning_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:

@@ -49,11 +49,17 @@ class GatewayTokenizer:
         return None
 
     def chat_prompt(
-        self, messages: list[dict[str, object]], tools: list[dict[str, object]] | None = None
+        self,
+        messages: list[dict[str, object]],
+        tools: list[dict[str, object]] | None = None,
+        template_kwargs: dict[str, object] | None = None,
     ) -> list[int]:
         """Token ids of the conversation in the model's chat template, ready for the
-        assistant's turn. `tools` only for templates that render them (`call_format`)."""
-        extra = {"tools": tools} if tools else {}
+        assistant's turn. `tools` only for templates that render them (`call_format`);
+        `template_kwargs`: the template's own variables (e.g. Qwen3's enable_thinking)."""
+        extra: dict[str, object] = {**(template_kwargs or {})}
+        if tools:
+            extra["tools"] = tools
         try:
             text = self.hf.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False, **extra

@@ -65,6 +65,9 @@ def render_messages(
                                   "earlier assistant message", f"messages[{i}].tool_call_id")
         messages.append(_native(role, m.text(), calls, m.tool_call_id) if native
                         else _fallback(role, m.text(), calls, messages))
+        reasoning = (m.model_extra or {}).get("reasoning_content")
+        if role == "assistant" and isinstance(reasoning, str) and reasoning:
+            messages[-1]["reasoning_content"] = reasoning  # a reasoning template may show it
     messages = [{k: v for k, v in m.items() if k != "_tool"} for m in messages]
     tools = [t.openai() for t in choice.tools] if choice and choice.mode != "none" else None
     if tools is None or native:

@@ -67,10 +67,10 @@ class RecordingSampler:
     def __init__(self, sampler) -> None:
         self.sampler, self.logits = sampler, {}
 
-    def launch(self, logits, reqs, ok=None):
+    def launch(self, logits, reqs, ok=None, offsets=None):
         for row, req in zip(logits, reqs, strict=True):
             self.logits[(req.request_id, req.num_tokens - 1)] = row.clone()
-        return self.sampler.launch(logits, reqs, ok)
+        return self.sampler.launch(logits, reqs, ok, offsets)
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)

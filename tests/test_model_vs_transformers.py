@@ -1,5 +1,5 @@
-"""Our Llama-family forward equals transformers' (fp32, max abs error <= 1e-4): prefill, chunked
-prefill and step-by-step decode through the paged KV cache."""
+"""Our Llama-family forward (Qwen3's q/k norm included) equals transformers' (fp32, max abs
+error <= 1e-4): prefill, chunked prefill and step-by-step decode through the paged KV cache."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _logits(runner: ModelRunner, seqs: list[ScheduledSeq]) -> torch.Tensor:
         return runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def pair(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 

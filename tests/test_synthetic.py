@@ -27,6 +27,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.mark.parametrize(("preset", "non_embedding"), [
     ("llama3-8b", 8_030_261_248 - 2 * 128_256 * 4096),  # Meta-Llama-3-8B, untied
     ("llama3-1b", 1_235_814_400 - 128_256 * 2048),  # Llama-3.2-1B, tied
+    ("qwen3-8b", 8_190_735_360 - 2 * 151_936 * 4096),  # Qwen3-8B, untied
 ])
 def test_presets_have_the_real_shapes(preset, non_embedding):
     cfg = ModelConfig.from_hf(hf_config(preset))
@@ -86,8 +87,9 @@ def test_hash_fill_is_uniform_and_salted():
     assert torch.corrcoef(torch.stack([x[1:], x[:-1]]))[0, 1].abs() < 0.02
 
 
-def test_engine_greedy_equals_its_transformers_twin(tiny_dir):
-    llm = LLM(model="synthetic:tiny", cache_dir=tiny_dir.parents[1], num_pages=64,
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny"])
+def test_engine_greedy_equals_its_transformers_twin(tiny_dir, preset):
+    llm = LLM(model=f"synthetic:{preset}", cache_dir=tiny_dir.parents[1], num_pages=64,
               max_num_seqs=4)
     hf = transformers_twin(llm)
     assert hf.model.layers[0].self_attn.k_proj.weight.data_ptr() != 0

@@ -9,7 +9,8 @@ import torch
 
 
 def save_tiny(path: Path, kind: str = "llama", **overrides) -> Path:
-    """Write a random checkpoint of `kind` ("llama", "llama3", "qwen2", "mistral") to `path`."""
+    """Write a random checkpoint of `kind` ("llama", "llama3", "qwen2", "qwen3", "mistral") to
+    `path`. Qwen3's heads are wider than hidden / heads (as Qwen3-0.6B's): q_size != hidden."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -17,6 +18,8 @@ def save_tiny(path: Path, kind: str = "llama", **overrides) -> Path:
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(0)
@@ -46,6 +49,8 @@ def save_tiny(path: Path, kind: str = "llama", **overrides) -> Path:
         model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 32, **common}))
     elif kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     else:
@@ -80,3 +85,92 @@ def save_peft_adapter(base_dir: Path, out: Path, seed: int, fill: float | None =
                     p.fill_(fill)
     model.save_pretrained(out, save_embedding_layers=False)
     return out
+
+
+# -- a reasoning model's tokenizer ------------------------------------------------------------
+
+THINK_IDS = {"<think>": 14, "</think>": 15}  # SmolLM2's <jupyter_output>, <jupyter_script>
+
+# ChatML with reasoning and Hermes tool calls, shaped as Qwen3's template: tools listed in the
+# system turn, calls as <tool_call> blocks, results as <tool_response> user turns, an
+# assistant's reasoning_content in <think>, and `enable_thinking=False` closing an empty
+# <think></think> in the generation prompt. (transformers renders templates with trim_blocks:
+# a newline right after a block tag is written as {{ '\n' }}.)
+REASONING_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+Call functions by writing, for each call:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call>
+The functions:
+<tools>{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor
+%}{{ '\n' }}</tools><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{% if m.reasoning_content %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}{% if not loop.first or m.content
+%}{{ '\n' }}{% endif %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool'
+%}<|im_start|>user{% endif %}{{ '\n' }}<tool_response>
+{{ m.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+
+def save_reasoning_tokenizer(path: Path) -> Path:
+    """The SmolLM2 tokenizer (engine/assets) with two unused special tokens renamed `<think>`
+    and `</think>`, and `REASONING_TEMPLATE` as its chat template, written into `path`."""
+    import gzip
+    import json
+    from importlib.resources import files
+
+    assets = files("engine") / "assets" / "smollm2_tokenizer"
+    tok = json.loads(gzip.decompress((assets / "tokenizer.json.gz").read_bytes()))
+    vocab = tok["model"]["vocab"]
+    for marker, token_id in THINK_IDS.items():
+        entry = next(t for t in tok["added_tokens"] if t["id"] == token_id)
+        del vocab[entry["content"]]
+        entry["content"] = marker
+        vocab[marker] = token_id
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    config = json.loads((assets / "tokenizer_config.json").read_text())
+    decoder = config.get("added_tokens_decoder", {})
+    for marker, token_id in THINK_IDS.items():
+        if str(token_id) in decoder:
+            decoder[str(token_id)]["content"] = marker
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").write_text(REASONING_TEMPLATE)
+    return path
+
+
+def save_tiny_reasoner(path: Path) -> Path:
+    """A tiny random Qwen3 over the reasoning tokenizer: `<|im_end|>` ends its output."""
+    save_tiny(path, "qwen3", vocab_size=49152, tie_word_embeddings=True, bos_token_id=1,
+              eos_token_id=2, max_position_embeddings=2048)
+    return save_reasoning_tokenizer(path)

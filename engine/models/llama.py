@@ -1,4 +1,5 @@
-"""A Llama-family decoder in plain torch: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias).
+"""A Llama-family decoder in plain torch: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3
+(per-head RMSNorm of q and k before RoPE).
 
 The model sees a flat step of tokens (`[T]` ids and positions) from many requests at once;
 attention goes through `kernels.attention.paged_attention` with the step's metadata, and the
@@ -56,6 +57,22 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ModelLoadError(f"unsupported rope_scaling type {kind!r}")
 
 
+class QKNorm(nn.Module):
+    """Qwen3's RMSNorm over each head of q and k (weights `[head_dim]`, shared by the heads)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D] -> the same shapes, each head normalised."""
+        # The norm reads rows of D: one per (token, head).
+        qn = self.q_norm(q.reshape(-1, q.shape[-1])).view(q.shape)
+        kn = self.k_norm(k.reshape(-1, k.shape[-1])).view(k.shape)
+        return qn, kn
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -70,13 +87,18 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.qk_norm = QKNorm(cfg) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
         q = fused.rope_cache(
-            q.view(T, self.num_heads, self.head_dim),
-            k.view(T, self.num_kv_heads, self.head_dim),
+            q,
+            k,
             v.view(T, self.num_kv_heads, self.head_dim),
             cos,
             sin,

@@ -1,0 +1,180 @@
+"""Reasoning models over HTTP: `switchboard serve` on the tiny random Qwen3 reasoner
+(tests/tiny_models.py) and the real `openai` SDK.
+
+`message.reasoning_content` / `delta.reasoning_content` carry the reasoning, `usage` counts it,
+`chat_template_kwargs` reach the template, and every constraint (response_format, tools in
+each mode, streamed or not, in a session) applies after the reasoning and validates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from openai import OpenAI
+
+from tests.conftest import API_KEYS, ROOT, SERVE_FLAGS, THREADS, GatewayServer, _wait_for_banner
+from tests.test_reasoning import ASK, SCHEMA, TOOLS
+from tests.tiny_models import save_tiny_reasoner
+
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+RF = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    tmp = tmp_path_factory.mktemp("reasoning-http")
+    model = save_tiny_reasoner(tmp / "qwen3-reasoner")
+    keys = tmp / "keys.json"
+    keys.write_text(json.dumps(API_KEYS))
+    log = tmp / "serve.log"
+    cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--api-keys", str(keys),
+           "--model", str(model), *SERVE_FLAGS]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **THREADS})
+    try:
+        url = _wait_for_banner(proc, log, timeout=300)
+        yield GatewayServer(url, "sk-test-alpha", "qwen3-reasoner", log, tmp / "adapters")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server: GatewayServer) -> OpenAI:
+    return OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=300)
+
+
+def _chat(client: OpenAI, server: GatewayServer, budget: int | None = 6, **kw: Any):
+    extra = {**kw.pop("extra_body", {})}
+    if budget is not None:
+        extra["max_reasoning_tokens"] = budget
+    kw = {"model": server.model, "messages": ASK, "temperature": 0, "max_tokens": 120,
+          "extra_body": extra, **kw}
+    return client.chat.completions.create(**kw)
+
+
+def _stream(client: OpenAI, server: GatewayServer, **kw: Any) -> dict[str, Any]:
+    """A streamed reply, reassembled: reasoning, content, calls, finish and usage."""
+    out: dict[str, Any] = {"reasoning": "", "content": "", "calls": {}, "finish": None,
+                           "usage": None}
+    for chunk in _chat(client, server, stream=True, stream_options={"include_usage": True},
+                       **kw):
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        out["reasoning"] += (delta.model_extra or {}).get("reasoning_content") or ""
+        if delta.content:
+            assert not out["calls"] or kw.get("tool_choice") == "auto"
+            out["content"] += delta.content
+        for tc in delta.tool_calls or []:
+            assert out["reasoning"], "a call's first delta comes after the reasoning"
+            call = out["calls"].setdefault(tc.index, {"name": tc.function.name, "arguments": ""})
+            call["arguments"] += tc.function.arguments or ""
+        out["finish"] = chunk.choices[0].finish_reason or out["finish"]
+    return out
+
+
+def _reasoning_of(message: Any) -> str | None:
+    return (message.model_extra or {}).get("reasoning_content")
+
+
+def _valid_calls(calls: list[dict[str, str]], allowed: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call["name"] in allowed
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_reasoning_is_apart_from_the_answer(client: OpenAI, server: GatewayServer) -> None:
+    r = _chat(client, server, max_tokens=16, extra_body={"ignore_eos": True})
+    message = r.choices[0].message
+    assert _reasoning_of(message) and message.content
+    assert "<think>" not in message.content and "</think>" not in message.content
+    assert r.usage.completion_tokens_details.reasoning_tokens == 6
+    assert r.usage.completion_tokens == 16
+
+    s = _stream(client, server, max_tokens=16, extra_body={"ignore_eos": True})
+    assert s["reasoning"] == _reasoning_of(message) and s["content"] == message.content
+    assert s["usage"].completion_tokens_details.reasoning_tokens == 6
+
+
+def test_enable_thinking_false_reaches_the_template(client: OpenAI, server: GatewayServer) -> None:
+    r = _chat(client, server, budget=None, max_tokens=8,
+              extra_body={"ignore_eos": True,
+                          "chat_template_kwargs": {"enable_thinking": False}})
+    assert _reasoning_of(r.choices[0].message) is None and r.choices[0].message.content
+    assert r.usage.completion_tokens_details is None  # no reasoning: nothing to detail
+
+
+def test_reserved_template_kwargs_are_refused(server: GatewayServer) -> None:
+    r = httpx.post(f"{server.base_url}/chat/completions",
+                   headers={"Authorization": f"Bearer {server.api_key}"},
+                   json={"model": server.model, "messages": ASK,
+                         "chat_template_kwargs": {"tokenize": True}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_json_schema_after_reasoning(client: OpenAI, server: GatewayServer) -> None:
+    r = _chat(client, server, response_format=RF, extra_body={"logit_bias": {"2": 30}})
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and _reasoning_of(message)
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+    s = _stream(client, server, response_format=RF, extra_body={"logit_bias": {"2": 30}})
+    assert (s["reasoning"], s["content"]) == (_reasoning_of(message), message.content)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named", "auto"])
+def test_tool_calls_after_reasoning(client: OpenAI, server: GatewayServer, tool_choice) -> None:
+    # get_weather's arguments are bounded (add's integers may run on at temperature 0)
+    choice: Any = ({"type": "function", "function": {"name": "get_weather"}}
+                   if tool_choice == "named" else tool_choice)
+    kw = {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
+    r = _chat(client, server, **kw)
+    c = r.choices[0]
+    assert _reasoning_of(c.message)
+    calls = [{"name": t.function.name, "arguments": t.function.arguments}
+             for t in c.message.tool_calls or []]
+    if tool_choice != "auto":
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        _valid_calls(calls, {"get_weather"} if tool_choice == "named" else set(SCHEMAS))
+    s = _stream(client, server, **kw)
+    assert s["reasoning"] == _reasoning_of(c.message) and s["finish"] == c.finish_reason
+    assert [s["calls"][i] for i in sorted(s["calls"])] == calls
+    assert (s["content"] or None) == c.message.content
+
+
+def test_session_turns_reason_then_call(client: OpenAI, server: GatewayServer) -> None:
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    r = httpx.post(f"{server.base_url}/sessions", headers=headers, json={"model": server.model},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    sid = r.json()["id"]
+    first = _chat(client, server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                  extra_body={"session_id": sid}).choices[0]
+    assert first.finish_reason == "tool_calls" and _reasoning_of(first.message)
+    call = first.message.tool_calls[0]
+    _valid_calls([{"name": call.function.name, "arguments": call.function.arguments}],
+                 set(SCHEMAS))
+    second = _chat(client, server, response_format=RF,
+                   messages=[{"role": "tool", "tool_call_id": call.id, "content": "sunny"}],
+                   extra_body={"session_id": sid, "logit_bias": {"2": 30}}).choices[0]
+    assert second.finish_reason == "stop" and _reasoning_of(second.message)
+    jsonschema.validate(json.loads(second.message.content), SCHEMA)
+    history = httpx.get(f"{server.base_url}/sessions/{sid}", headers=headers,
+                        timeout=60).json()["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant"]
+    assert history[1]["reasoning_content"] == _reasoning_of(first.message)
