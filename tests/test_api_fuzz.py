@@ -72,7 +72,8 @@ def _cap_generation(body: object, model: str) -> None:
         return
     if isinstance(body.get("model"), str):
         body["model"] = model
-    for message in body.get("messages") or []:
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else []:
         if isinstance(message, dict) and message.get("role") != "assistant":
             content = message.get("content")
             if content is None or isinstance(content, list):

@@ -147,9 +147,10 @@ class _OverLimit(_Stuck):
 def test_stage_fails_a_row_its_matcher_cannot_continue(tokenizer):
     stage = GrammarStage(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     try:
-        _, _, errors = stage._fill([_Stuck(), _OverLimit()], [0, 2], 3)
+        _, _, errors = stage._fill(
+            [(0, _Stuck().fill_bitmask), (2, _OverLimit().fill_bitmask)], 3)
         assert errors == {0: "the grammar allows no next token: the output cannot be completed"}
-        why = GrammarStage.accept(SimpleNamespace(matcher=_OverLimit()), 7)
+        why = GrammarStage.accept(SimpleNamespace(matcher=_OverLimit(), reasoning=None), 7)
         assert why == ("the grammar backend failed on sampled token 7: llguidance: lexer "
                        "error: too many expressions constructed")
     finally:
