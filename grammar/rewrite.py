@@ -3,7 +3,8 @@
 `ascii_digits`: JSON Schema's regex dialect is ECMA-262, where `\\d` is ASCII; Rust's regex
 (outlines-core, llguidance) would match every Unicode digit.
 `rewrite_schema`: apply that to every `pattern`, drop `format`s a backend does not know
-(unknown formats are annotations that assert nothing), and optionally drop keywords.
+(unknown formats are annotations that assert nothing), optionally drop keywords, and make
+`oneOf`s of `required` lists disjoint (`disjoint_one_of`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,39 @@ def ascii_digits(regex: str) -> str:
     return "".join(out)
 
 
+def disjoint_one_of(branches: list[object]) -> list[object] | None:
+    """Branches that each allow only what exactly one of `branches` allows, for a `oneOf` whose
+    branches are all `{"required": [...]}` (the common "either these keys or those"); None for
+    any other `oneOf`, or when no branch can hold alone.
+
+    Backends read `oneOf` as `anyOf`, which lets an object carry the keys of two branches and
+    so match both. Branch i holds alone when for every other branch j the object lacks some key
+    of j; forbidding every key of j that i does not require guarantees that (a subset of the
+    valid instances, never an invalid one). A branch whose keys include all of another's can
+    never hold alone and is dropped."""
+    keys = [_required_only(b) for b in branches]
+    if not keys or any(k is None for k in keys):
+        return None
+    sets = [frozenset(k) for k in keys if k is not None]
+    out: list[object] = []
+    for i, own in enumerate(sets):
+        others = [s for j, s in enumerate(sets) if j != i]
+        if any(s <= own for s in others):
+            continue
+        banned = sorted(set().union(*others) - own)
+        out.append({"required": sorted(own), "properties": {k: False for k in banned}})
+    return out or None
+
+
+def _required_only(branch: object) -> list[str] | None:
+    if not isinstance(branch, dict) or set(branch) - {"required", "description", "title"}:
+        return None
+    req = branch.get("required")
+    if not isinstance(req, list) or not req or not all(isinstance(k, str) for k in req):
+        return None
+    return req
+
+
 def rewrite_schema(
     node: object,
     drop_keys: frozenset[str] = frozenset(),
@@ -64,6 +98,8 @@ def rewrite_schema(
                 out[k] = ascii_digits(v)
             elif k == "patternProperties" and isinstance(v, dict):
                 out[k] = {ascii_digits(p): walk(s) for p, s in v.items()}
+            elif k == "oneOf" and isinstance(v, list) and (disjoint := disjoint_one_of(v)):
+                out[k] = disjoint
             elif k in NAMED_SUBSCHEMAS and isinstance(v, dict):
                 out[k] = {name: walk(s) for name, s in v.items()}
             else:

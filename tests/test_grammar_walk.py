@@ -23,6 +23,7 @@ import torch
 from grammar.backend import BackendError, Matcher
 from grammar.backends import make_backend
 from grammar.compiler import GrammarCompiler
+from grammar.rewrite import disjoint_one_of
 from grammar.spec import ConstraintSpec, parse_structured_outputs
 from grammar.validate import check_output
 from grammar.vocab import TokenVocab
@@ -223,6 +224,52 @@ def test_forced_continuation(backends, walker: Walker):
     m = matcher(backends["llguidance"], ConstraintSpec("choice", ("hello world", "hello there")))
     assert m.forced_continuation() == "hello "
     assert matcher(backends["llguidance"], KIND_SPECS["json_schema"]).forced_continuation() == "{"
+
+
+# A Glaive tool's shape: "either these keys or those", where an object with both would match
+# two branches. Backends read oneOf as anyOf; the rewrite makes the branches disjoint.
+VOLUME = {
+    "type": "object",
+    "properties": {
+        "dims": {
+            "type": "object",
+            "properties": {"length": {"type": "integer"}, "radius": {"type": "integer"},
+                           "height": {"type": "integer"}},
+            "oneOf": [{"required": ["length"]}, {"required": ["radius"]},
+                      {"required": ["radius", "height"]}],
+        }
+    },
+    "required": ["dims"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_disjoint_one_of_rewrite():
+    branches = VOLUME["properties"]["dims"]["oneOf"]
+    assert disjoint_one_of(branches) == [  # {radius, height} always matches {radius} too
+        {"required": ["length"], "properties": {"height": False, "radius": False}},
+        {"required": ["radius"], "properties": {"height": False, "length": False}},
+    ]
+    assert disjoint_one_of([{"required": ["a"]}, {"type": "object"}]) is None
+    assert disjoint_one_of([{"required": ["a"]}, {"required": ["a"]}]) is None  # never alone
+
+
+@pytest.mark.parametrize("backend_name", ["llguidance", "llguidance-relaxed"])
+def test_one_of_required_branches_stay_exclusive(
+    backends, walker: Walker, tokenizer, backend_name: str
+):
+    spec = parse_structured_outputs({"json": VOLUME})
+    stop = walker.vocab.stop_token_ids[0]
+    backend = backends[backend_name]
+    for text, valid in [('{"dims": {"radius": 2}}', True), ('{"dims": {"length": 1}}', True),
+                        ('{"dims": {"length": 1, "radius": 2}}', False),
+                        ('{"dims": {"radius": 2, "height": 3}}', False)]:  # fmt: skip
+        assert (check_output(spec, text) is None) == valid, text
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert accepts(matcher(backend, spec), ids, stop) == valid, text
+    for seed in range(4):
+        text = walker.walk(matcher(backend, spec), seed)
+        assert check_output(spec, text) is None, text
 
 
 # -- MaskBench cases, through the GrammarCompiler --------------------------------------
