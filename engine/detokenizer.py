@@ -12,20 +12,38 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from grammar.tool_parser import marker_tokens
+
 
 class Decoder:
     """`tokenizer.decode(ids, skip_special_tokens=True)` for one tokenizer, shared by its
-    requests. Where transformers' wrapper would only call its Rust tokenizer (a fast tokenizer
-    that does not clean up spaces), this calls the Rust tokenizer directly: the wrapper costs
-    about twice the decode itself. Lone tokens, the usual detokenizer prefix, are cached."""
+    requests, except that the special tokens of the model's tool-call format (Mistral's
+    `[TOOL_CALLS]`, `grammar.tool_parser.marker_tokens`) keep their text, so calls parse.
+    Where transformers' wrapper would only call its Rust tokenizer (a fast tokenizer that does
+    not clean up spaces), this calls the Rust tokenizer directly: the wrapper costs about twice
+    the decode itself. Lone tokens, the usual detokenizer prefix, are cached."""
 
     def __init__(self, tokenizer: Any):
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-            self.decode = partial(tokenizer.decode, skip_special_tokens=True)
+            self._skip_special = partial(tokenizer.decode, skip_special_tokens=True)
         else:
-            self.decode = partial(backend.decode, skip_special_tokens=True)
+            self._skip_special = partial(backend.decode, skip_special_tokens=True)
+        self._markers = marker_tokens(tokenizer)
+        self.decode = self._keep_markers if self._markers else self._skip_special
         self._lone: dict[int, str] = {}
+
+    def _keep_markers(self, ids: list[int]) -> str:
+        """Decode the runs between marker tokens, and the markers as their text."""
+        if self._markers.keys().isdisjoint(ids):
+            return self._skip_special(ids)
+        out, start = [], 0
+        for i, t in enumerate(ids):
+            if t in self._markers:
+                out += [self._skip_special(ids[start:i]), self._markers[t]]
+                start = i + 1
+        out.append(self._skip_special(ids[start:]))
+        return "".join(out)
 
     def __call__(self, ids: list[int]) -> str:
         if len(ids) != 1:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.sampling_params import InvalidRequestError
-from grammar.tool_parser import HERMES, LLAMA3_JSON, CallFormat
+from grammar.tool_parser import CallFormat, template_call_format
 
 
 class GatewayTokenizer:
@@ -36,17 +36,10 @@ class GatewayTokenizer:
     @property
     def call_format(self) -> CallFormat | None:
         """The tool-call format the chat template renders tools and tool messages in itself:
-        Hermes `<tool_call>` (Qwen2.5, Hermes 2/3) or Llama 3.1's JSON calls. None: the
-        template knows no tools, and the gateway writes the generic fallback prompt
-        (gateway/tools.py)."""
-        template = getattr(self.hf, "chat_template", None)
-        if not isinstance(template, str) or "tools" not in template:
-            return None
-        if "<tool_call>" in template:
-            return HERMES
-        if '"parameters": ' in template and "tool_call" in template:
-            return LLAMA3_JSON
-        return None
+        Hermes `<tool_call>` (Qwen2.5/3, Hermes 2/3), Llama 3.1's JSON calls or Mistral's
+        `[TOOL_CALLS]`. None: the template knows no tools, and the gateway writes the generic
+        fallback prompt (gateway/tools.py)."""
+        return template_call_format(getattr(self.hf, "chat_template", None))
 
     def chat_prompt(
         self,

@@ -1,6 +1,6 @@
 """Tool-call output formats and their deterministic, incremental parser.
 
-Two formats, each the one a family of chat templates teaches its models:
+Three formats, each the one a family of chat templates teaches its models:
 
 - `HERMES` (Qwen2.5, Hermes 2/3, Hermes-2-Pro-Mistral, and the generic fallback prompt), several
   calls separated by a newline:
@@ -12,6 +12,11 @@ Two formats, each the one a family of chat templates teaches its models:
 - `LLAMA3_JSON` (Llama 3.1-3.3's JSON tool calling), several calls separated by "; ":
 
       {"name": "<tool name>", "parameters": <JSON object>}
+
+- `MISTRAL` (Mistral's v11+ templates: Mistral Small 3.2, Magistral, Devstral), calls back to
+  back, `[TOOL_CALLS]` and `[ARGS]` being special tokens of the tokenizer:
+
+      [TOOL_CALLS]<tool name>[ARGS]<JSON object>
 
 The grammar (grammar/tools.py) makes any other shape impossible, so the parser never guesses:
 it finds a call at its fixed header, reads the arguments as one JSON object (tracking strings
@@ -26,6 +31,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
@@ -41,6 +47,7 @@ class CallFormat:
     args_head: str
     end: str
     separator: str
+    special: tuple[str, ...] = ()  # markers that are special tokens: decoded, never skipped
 
     def render(self, name: str, arguments: str) -> str:
         """One call in this format (for histories and the fallback prompt)."""
@@ -51,7 +58,33 @@ HERMES = CallFormat("hermes", "<tool_call>", '<tool_call>\n{"name": "', '", "arg
                     "}\n</tool_call>", "\n")
 LLAMA3_JSON = CallFormat("llama3_json", '{"name": "', '{"name": "', '", "parameters": ', "}",
                          "; ")
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+MISTRAL = CallFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", "[ARGS]", "", "",
+                     special=("[TOOL_CALLS]", "[ARGS]"))
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+
+
+def template_call_format(template: object) -> CallFormat | None:
+    """The call format a chat template renders tools and tool calls in itself; None when it
+    knows no tools (the gateway then writes the generic fallback prompt)."""
+    if not isinstance(template, str) or "tools" not in template:
+        return None
+    if "<tool_call>" in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template and "[ARGS]" in template:
+        return MISTRAL
+    if '"parameters": ' in template and "tool_call" in template:
+        return LLAMA3_JSON
+    return None
+
+
+def marker_tokens(tokenizer: Any) -> dict[int, str]:
+    """Special tokens of `tokenizer` that its call format writes (Mistral's `[TOOL_CALLS]`):
+    id -> text. Decoding keeps their text and grammars may emit them, so calls parse."""
+    fmt = template_call_format(getattr(tokenizer, "chat_template", None))
+    if fmt is None or not fmt.special:
+        return {}
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return {i: t.content for i, t in added.items() if t.content in fmt.special}
 
 
 def render_call(name: str, arguments: str) -> str:

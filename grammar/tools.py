@@ -175,11 +175,13 @@ def tool_calls_lark(
         rules.append(f"call_{i}: {head} args_{i}")
         rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': json_options})}")
         names.append(f"call_{i}")
-    calls = "call (SEP call)*" if payload["parallel"] else "call"
+    sep = " SEP" if fmt.separator else ""
+    calls = f"call ({sep} call)*" if payload["parallel"] else "call"
+    end = f" {json.dumps(fmt.end)}" if fmt.end else ""  # Lark has no empty literal
     return "\n".join([
         f"start: {calls}",
-        f"call: {json.dumps(fmt.head)} ({' | '.join(names)}) {json.dumps(fmt.end)}",
-        f"SEP: {json.dumps(fmt.separator)}",
+        f"call: {json.dumps(fmt.head)} ({' | '.join(names)}){end}",
+        *([f"SEP: {json.dumps(fmt.separator)}"] if fmt.separator else []),
         *rules,
     ])
 

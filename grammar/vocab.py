@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from grammar.tool_parser import marker_tokens
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -15,9 +17,10 @@ if TYPE_CHECKING:
 class TokenVocab:
     """Token id -> the bytes it decodes to, for every row of the model's embedding.
 
-    `tokens[i] == b""` marks a token no grammar may emit: special/control tokens and the
-    padding rows past `len(tokenizer)`. Stop tokens keep their text but are allowed only where
-    the grammar may end. Plain data, so it pickles cheaply into compile workers.
+    `tokens[i] == b""` marks a token no grammar may emit: special/control tokens (but for the
+    markers of the model's tool-call format) and the padding rows past `len(tokenizer)`. Stop
+    tokens keep their text but are allowed only where the grammar may end. Plain data, so it
+    pickles cheaply into compile workers.
     """
 
     tokens: tuple[bytes, ...]  # (vocab_size,)
@@ -60,7 +63,11 @@ class TokenVocab:
         special = set(tokenizer.all_special_ids)
         special |= {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         special -= set(stop_token_ids)
-        tokens = [b"" if i in special else t for i, t in enumerate(info.decoded_vocab)]
+        markers = marker_tokens(tokenizer)
+        tokens = [
+            markers[i].encode() if i in markers else b"" if i in special else t
+            for i, t in enumerate(info.decoded_vocab)
+        ]
         tokens += [b""] * (vocab_size - len(tokens))
         backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
         tokenizer_json = backend.to_str() if backend is not None else None

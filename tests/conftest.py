@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,28 +106,37 @@ def read_metrics(url: str) -> dict[str, float]:
             if ln and not ln.startswith("#")}
 
 
-@pytest.fixture(scope="session")
-def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
-    """`switchboard serve` on the embedded model, on a free port, in a subprocess."""
-    tmp = tmp_path_factory.mktemp("gateway")
+@contextmanager
+def serve(tmp: Path, *flags: str, model: Path | None = None) -> Iterator[GatewayServer]:
+    """`switchboard serve` in a subprocess on a free port, with `API_KEYS`, `SERVE_FLAGS` and
+    `flags`, on `model` (a folder; default: the embedded model). Logs go to tmp/serve.log."""
     keys = tmp / "keys.json"
     keys.write_text(json.dumps(API_KEYS))
     log, store = tmp / "serve.log", tmp / "adapters"
     cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--api-keys", str(keys),
-           "--adapter-dir", str(store), "--max-adapter-bytes", str(MAX_ADAPTER_BYTES),
-           *SERVE_FLAGS]
+           *(["--model", str(model)] if model is not None else []), *SERVE_FLAGS, *flags]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **THREADS})
     try:
         url = _wait_for_banner(proc, log, timeout=300)
-        yield GatewayServer(url, "sk-test-alpha", "SmolLM2-135M-Instruct", log, store)
+        name = model.name if model is not None else "SmolLM2-135M-Instruct"
+        yield GatewayServer(url, "sk-test-alpha", name, log, store)
     finally:
         proc.terminate()
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    """`switchboard serve` on the embedded model, on a free port, in a subprocess."""
+    tmp = tmp_path_factory.mktemp("gateway")
+    with serve(tmp, "--adapter-dir", str(tmp / "adapters"),
+               "--max-adapter-bytes", str(MAX_ADAPTER_BYTES)) as server:
+        yield server
 
 
 def _wait_for_banner(proc: subprocess.Popen, log: Path, timeout: float) -> str:

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +19,9 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from tests.conftest import API_KEYS, ROOT, SERVE_FLAGS, THREADS, GatewayServer, _wait_for_banner
+from tests.conftest import GatewayServer, serve
 from tests.test_tools_dataset import CONCURRENCY, DEV, MAX_TOKENS, _selected
-from tests.tiny_models import save_reasoning_tokenizer
+from tests.tiny_models import save_reasoning_tokenizer, smollm2_with_tokenizer
 
 BUDGET = 8  # reasoning tokens, the forced end marker included
 
@@ -32,29 +29,9 @@ BUDGET = 8  # reasoning tokens, the forced end marker included
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[GatewayServer]:
     tmp = tmp_path_factory.mktemp("reasoning-dataset")
-    model = tmp / "smollm2-reasoner"
-    model.mkdir()
-    for f in smollm2_dir.iterdir():  # the weights and config; the tokenizer is replaced
-        if f.suffix in (".json", ".safetensors") and not f.name.startswith("tokenizer"):
-            (model / f.name).symlink_to(f)
-    save_reasoning_tokenizer(model)
-    keys = tmp / "keys.json"
-    keys.write_text(json.dumps(API_KEYS))
-    log = tmp / "serve.log"
-    cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--api-keys", str(keys),
-           "--model", str(model), *SERVE_FLAGS]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **THREADS})
-    try:
-        url = _wait_for_banner(proc, log, timeout=300)
-        yield GatewayServer(url, "sk-test-alpha", model.name, log, tmp / "adapters")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    model = smollm2_with_tokenizer(tmp / "smollm2-reasoner", smollm2_dir, save_reasoning_tokenizer)
+    with serve(tmp, model=model) as server:
+        yield server
 
 
 async def _run_case(client: AsyncOpenAI, model: str, sem: asyncio.Semaphore, case) -> dict:

@@ -9,9 +9,6 @@ each mode, streamed or not, in a session) applies after the reasoning and valida
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +17,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from tests.conftest import API_KEYS, ROOT, SERVE_FLAGS, THREADS, GatewayServer, _wait_for_banner
+from tests.conftest import GatewayServer, serve
 from tests.test_reasoning import ASK, SCHEMA, TOOLS
 from tests.tiny_models import save_tiny_reasoner
 
@@ -31,24 +28,8 @@ RF = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
     tmp = tmp_path_factory.mktemp("reasoning-http")
-    model = save_tiny_reasoner(tmp / "qwen3-reasoner")
-    keys = tmp / "keys.json"
-    keys.write_text(json.dumps(API_KEYS))
-    log = tmp / "serve.log"
-    cmd = [sys.executable, "-m", "gateway.main", "serve", "--port", "0", "--api-keys", str(keys),
-           "--model", str(model), *SERVE_FLAGS]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **THREADS})
-    try:
-        url = _wait_for_banner(proc, log, timeout=300)
-        yield GatewayServer(url, "sk-test-alpha", "qwen3-reasoner", log, tmp / "adapters")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with serve(tmp, model=save_tiny_reasoner(tmp / "qwen3-reasoner")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ LoRA adapters for a given base."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -142,9 +143,26 @@ The functions:
 {% endif %}{% endif %}"""
 
 
-def save_reasoning_tokenizer(path: Path) -> Path:
-    """The SmolLM2 tokenizer (engine/assets) with two unused special tokens renamed `<think>`
-    and `</think>`, and `REASONING_TEMPLATE` as its chat template, written into `path`."""
+# Mistral's v11+ tool calling: tools in [AVAILABLE_TOOLS], each call as
+# [TOOL_CALLS]name[ARGS]{...} (both markers special tokens), results in [TOOL_RESULTS].
+MISTRAL_IDS = {"[TOOL_CALLS]": 12, "[ARGS]": 13}  # SmolLM2's <jupyter_text>, <jupyter_code>
+MISTRAL_TEMPLATE = """\
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' %}[SYSTEM_PROMPT]{{ m.content }}[/SYSTEM_PROMPT]
+{%- elif m.role == 'user' %}[INST]{{ m.content }}[/INST]
+{%- elif m.role == 'assistant' %}{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}[TOOL_CALLS]{{ call.function.name }}[ARGS]
+{{- call.function.arguments if call.function.arguments is string
+    else call.function.arguments | tojson }}{% endfor %}{{ eos_token }}
+{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}"""
+
+
+def save_tokenizer(path: Path, markers: dict[str, int], template: str) -> Path:
+    """The SmolLM2 tokenizer (engine/assets) with unused special tokens renamed after
+    `markers` (text -> id) and `template` as its chat template, written into `path`."""
     import gzip
     import json
     from importlib.resources import files
@@ -152,7 +170,7 @@ def save_reasoning_tokenizer(path: Path) -> Path:
     assets = files("engine") / "assets" / "smollm2_tokenizer"
     tok = json.loads(gzip.decompress((assets / "tokenizer.json.gz").read_bytes()))
     vocab = tok["model"]["vocab"]
-    for marker, token_id in THINK_IDS.items():
+    for marker, token_id in markers.items():
         entry = next(t for t in tok["added_tokens"] if t["id"] == token_id)
         del vocab[entry["content"]]
         entry["content"] = marker
@@ -161,12 +179,32 @@ def save_reasoning_tokenizer(path: Path) -> Path:
     (path / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     config = json.loads((assets / "tokenizer_config.json").read_text())
     decoder = config.get("added_tokens_decoder", {})
-    for marker, token_id in THINK_IDS.items():
+    for marker, token_id in markers.items():
         if str(token_id) in decoder:
             decoder[str(token_id)]["content"] = marker
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "chat_template.jinja").write_text(REASONING_TEMPLATE)
+    (path / "chat_template.jinja").write_text(template)
     return path
+
+
+def smollm2_with_tokenizer(path: Path, weights: Path, save: Callable[[Path], Path]) -> Path:
+    """A model folder at `path`: the SmolLM2 weights and config of `weights` (linked) and the
+    tokenizer `save(path)` writes."""
+    path.mkdir(parents=True, exist_ok=True)
+    for f in weights.iterdir():
+        if f.suffix in (".json", ".safetensors") and not f.name.startswith("tokenizer"):
+            (path / f.name).symlink_to(f)
+    return save(path)
+
+
+def save_reasoning_tokenizer(path: Path) -> Path:
+    """The SmolLM2 tokenizer with `<think>` and `</think>` and `REASONING_TEMPLATE`."""
+    return save_tokenizer(path, THINK_IDS, REASONING_TEMPLATE)
+
+
+def save_mistral_tokenizer(path: Path) -> Path:
+    """The SmolLM2 tokenizer with `[TOOL_CALLS]` and `[ARGS]` and `MISTRAL_TEMPLATE`."""
+    return save_tokenizer(path, MISTRAL_IDS, MISTRAL_TEMPLATE)
 
 
 def save_tiny_reasoner(path: Path) -> Path:
