@@ -1,5 +1,5 @@
-"""Fused elementwise stages of the decoder layer: RMSNorm (alone, and after the residual
-add), RoPE on q and k with the step's K/V written to the paged cache, SiLU-and-mul.
+"""Fused elementwise stages of the decoder layer: RMSNorm (alone, after the residual add, and
+per head of q and k), RoPE on q and k with the step's K/V written to the paged cache, SiLU-and-mul.
 
 Each is one Triton kernel on CUDA in place of the several torch kernels of its reference; in
 a decode step these tensors are small, so the separate launches, not the bytes, were the cost
@@ -29,6 +29,16 @@ def add_rms_norm(
     writes both in place of its inputs (normed into x, the sum into residual)."""
     fn = add_rms_norm_triton if x.is_cuda else add_rms_norm_torch
     return fn(x, residual, weight, eps)
+
+
+def qk_norm(
+    q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's RMSNorm of each head: q [T, H, D] with wq [D], k [T, KVH, D] with wk [D].
+    The Triton path normalises both in place (one launch; q and k may be strided views of the
+    qkv projection's output, each head's D values contiguous)."""
+    fn = qk_norm_triton if q.is_cuda else qk_norm_torch
+    return fn(q, k, wq, wk, eps)
 
 
 def rope_cache(
@@ -70,6 +80,15 @@ def add_rms_norm_torch(
     """Semantics: r = x + residual; (rms_norm_torch(r, weight, eps), r)"""
     r = x + residual
     return rms_norm_torch(r, weight, eps), r
+
+
+def qk_norm_torch(
+    q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: for x, w in ((q, wq), (k, wk)): each head x[t, h] <- rms_norm_torch(x[t, h], w)"""
+    qn = rms_norm_torch(q.reshape(-1, q.shape[-1]), wq, eps).view(q.shape)
+    kn = rms_norm_torch(k.reshape(-1, k.shape[-1]), wk, eps).view(k.shape)
+    return qn, kn
 
 
 def rope_cache_torch(
@@ -130,6 +149,20 @@ def add_rms_norm_triton(
     return x, residual
 
 
+def qk_norm_triton(
+    q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `qk_norm_torch`, in place; one program per (token, head of q or k)."""
+    heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[2]
+    assert q.stride(2) == 1 and k.stride(2) == 1, "each head's values must be contiguous"
+    block = triton.next_power_of_2(d)
+    _qk_norm_kernel[(q.shape[0], heads + kv_heads)](
+        q, k, wq, wk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads, d, eps,
+        BLOCK=block, num_warps=max(1, block // 256),
+    )
+    return q, k
+
+
 def rope_cache_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -181,6 +214,24 @@ def _rms_normed(x, w_ptr, cols, ok, N, eps):
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
     h = (h * rstd).to(x.dtype).to(tl.float32)
     return tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * h
+
+
+@triton.jit
+def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, s_qt, s_qh, s_kt, s_kh, H, N, eps,
+                    BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    if h < H:  # a head of q
+        ptr = q_ptr + t * s_qt + h * s_qh
+        w_ptr = wq_ptr
+    else:
+        ptr = k_ptr + t * s_kt + (h - H) * s_kh
+        w_ptr = wk_ptr
+    x = tl.load(ptr + cols, mask=ok, other=0.0)
+    out = _rms_normed(x, w_ptr, cols, ok, N, eps)
+    tl.store(ptr + cols, out.to(ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

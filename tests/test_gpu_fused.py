@@ -1,6 +1,6 @@
-"""Fused RMSNorm (alone and after the residual add), RoPE with the K/V cache write, and
-SiLU-and-mul: Triton vs the torch references (tiny shapes in the
-interpreter on CPU; Llama-3-8B shapes in bf16 on a GPU)."""
+"""Fused RMSNorm (alone, after the residual add, and per head of q and k), RoPE with the K/V
+cache write, and SiLU-and-mul: Triton vs the torch references (tiny shapes in the interpreter
+on CPU; Llama-3-8B shapes in bf16 on a GPU)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,16 @@ def check(tokens, hidden, heads, kv_heads, head_dim, inter, dtype):
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    wq, wk = randn(head_dim), randn(head_dim)
+    q_ref, k_ref = fused.qk_norm_torch(q.float(), k.float(), wq.float(), wk.float(), 1e-6)
+    qkv_normed = qkv.clone()  # q and k normed in place, v untouched
+    q_n = qkv_normed[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k_n = qkv_normed[:, heads * head_dim : (heads + kv_heads) * head_dim]
+    fused.qk_norm_triton(q_n, k_n.view(tokens, kv_heads, head_dim), wq, wk, 1e-6)
+    assert_close(q_n, q_ref)
+    assert_close(k_n.view(tokens, kv_heads, head_dim), k_ref)
+    assert torch.equal(qkv_normed[:, (heads + kv_heads) * head_dim :], v.reshape(tokens, -1))
+
     angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 6.3
     cos, sin = angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
     slots = torch.randperm(2 * tokens + 3, generator=gen)[:tokens].to(DEVICE)
