@@ -24,12 +24,16 @@ from gateway.adapters import adapter_model_card, adapter_routes, ensure_adapter,
 from gateway.body import read_body
 from gateway.bounds import check_counts
 from gateway.config import ServeConfig
+from gateway.conversations import AddItems, CreateConversation, conversation_routes
 from gateway.errors import APIError, bad_request, install_error_handlers
 from gateway.generation import Generation
 from gateway.metrics import RequestCounter
 from gateway.openapi import document_bodies
 from gateway.params import EngineFacts, Plan, plan_chat, plan_completion, resolve_adapter
+from gateway.response_chain import Stores
+from gateway.response_items import ResponsesRequest
 from gateway.responses import ChatFormat, CompletionFormat
+from gateway.responses_api import response_routes
 from gateway.runtime import Runtime
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.session_routes import add_session_routes
@@ -94,6 +98,9 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         return adapter_model_card(rt, tenant, adapter)
 
     app.include_router(adapter_routes(rt, authenticate))
+    stores = Stores.of(rt)
+    app.include_router(response_routes(rt, stores, authenticate))
+    app.include_router(conversation_routes(rt, stores, authenticate))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, tenant: str = Depends(authenticate)) -> Response:
@@ -107,6 +114,9 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
 
     document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest,
                           "/v1/completions": CompletionRequest,
+                          "/v1/responses": ResponsesRequest,
+                          "/v1/conversations": CreateConversation,
+                          "/v1/conversations/{cid}/items": AddItems,
                           "/v1/sessions": CreateSession,
                           "/v1/sessions/{session_id}/fork": ForkSession})
 

@@ -92,6 +92,14 @@ class ServeConfig(EngineConfig):
         8 * 2**30, ge=0, metavar="BYTES", help="bytes of adapter files a tenant may store "
         "(max_adapter_storage_bytes in the keys file overrides it per tenant)")
 
+    # The Responses API (gateway/responses_api.py).
+    response_ttl: int = setting(
+        30 * 24 * 3600, ge=1, metavar="SECONDS", help="how long a stored response or "
+        "conversation (and the history it continues) is kept")
+    max_stored_responses: int = setting(
+        1000, ge=1, help="stored responses a tenant may keep (and as many conversations); "
+        "the oldest are evicted beyond it")
+
     # Replicas.
     redis_url: str | None = setting(
         None, metavar="URL", help="shared state for replicas (sessions, keys, limits, "

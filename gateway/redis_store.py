@@ -14,7 +14,15 @@ Keys (all under `switchboard:`):
                                       hash file name -> bytes
     session:{id} / session:{id}:messages
                                       a session's metadata and history (gateway/session_store.py)
-    affinity:{session_id}             the replica holding a session's KV (gateway/router/app.py)
+    affinity:{session_id}             the replica holding a session's KV (gateway/router/app.py);
+                                      also keyed by a response or conversation id
+    response:{id} / responses:{tenant}
+                                      a stored response (JSON, TTL) and the tenant's index of
+                                      them, oldest first (gateway/response_store.py)
+    conversation:{id} / conversations:{tenant}
+                                      a conversation's record and the tenant's index
+    response-session:{id} / response-sessions:{tenant}
+                                      the sessions made for responses, least recently used first
 
 A replica holds one `Clients`: `text` for everything but adapter files, `files` for those.
 Neither retries a command: a write whose reply was lost may have been applied, and a retried
@@ -34,6 +42,10 @@ AUTH_ADMINS = "switchboard:auth:admins"
 ADAPTERS = "switchboard:adapters:"
 SESSION = "switchboard:session:"
 AFFINITY = "switchboard:affinity:"
+RESPONSE, RESPONSES = "switchboard:response:", "switchboard:responses:"
+CONVERSATION, CONVERSATIONS = "switchboard:conversation:", "switchboard:conversations:"
+RESPONSE_SESSION, RESPONSE_SESSIONS = ("switchboard:response-session:",
+                                       "switchboard:response-sessions:")
 
 # A redis.asyncio.Redis client. redis-py types every result `T | Awaitable[T]` (one class
 # serves its sync and async clients), so typing it buys nothing but casts at each call.

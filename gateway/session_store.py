@@ -62,6 +62,12 @@ class SessionStore(ABC):
         """Add `messages` to the history and restart the TTL; `session.messages` too."""
 
     @abstractmethod
+    async def append_at(self, session: Session, length: int, messages: list[Message]) -> bool:
+        """`append`, only while the stored history holds exactly `length` messages (False,
+        and nothing written, otherwise): a continuation from that point, never interleaved
+        with another (gateway/responses_api.py forks instead)."""
+
+    @abstractmethod
     async def delete(self, tenant: str, session_id: str) -> bool:
         """True when the tenant's session existed."""
 
@@ -94,6 +100,13 @@ class MemoryStore(SessionStore):
             stored[0].messages.extend(messages)
             self._put(stored[0])
         session.messages.extend(messages)
+
+    async def append_at(self, session: Session, length: int, messages: list[Message]) -> bool:
+        stored = await self.get(session.tenant, session.id)
+        if stored is None or len(stored.messages) != length:
+            return False
+        await self.append(session, messages)
+        return True
 
     async def delete(self, tenant: str, session_id: str) -> bool:
         if await self.get(tenant, session_id) is None:
@@ -158,6 +171,16 @@ class RedisStore(SessionStore):
                 await pipe.execute()
         session.messages.extend(messages)
 
+    async def append_at(self, session: Session, length: int, messages: list[Message]) -> bool:
+        key = self.prefix + session.id
+        ttl = session.ttl_seconds or 0
+        async with _errors():
+            done = await self._redis.eval(_APPEND_AT, 2, key, key + ":messages", session.tenant,
+                                          length, ttl, *map(json.dumps, messages))
+        if done:
+            session.messages.extend(messages)
+        return bool(done)
+
     async def delete(self, tenant: str, session_id: str) -> bool:
         if await self.get(tenant, session_id) is None:
             return False
@@ -171,6 +194,19 @@ class RedisStore(SessionStore):
             key = self.prefix + session.id
             pipe.expire(key, session.ttl_seconds)
             pipe.expire(key + ":messages", session.ttl_seconds)
+
+
+# KEYS: the session's hash and list; ARGV: tenant, expected length, TTL (0: none), messages.
+_APPEND_AT = """
+if redis.call('HGET', KEYS[1], 'tenant') ~= ARGV[1] then return 0 end
+if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return 0 end
+if #ARGV > 3 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 4)) end
+if tonumber(ARGV[3]) > 0 then
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
+return 1
+"""
 
 
 @asynccontextmanager

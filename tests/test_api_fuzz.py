@@ -80,9 +80,11 @@ def _cap_generation(body: object, model: str) -> None:
                 message["content"] = "".join(
                     p["text"] for p in content or [] if isinstance(p, dict)
                     and isinstance(p.get("text"), str))
-    if "messages" not in body and "prompt" not in body:
+    generating = ("messages", "prompt", "input", "instructions", "previous_response_id",
+                  "conversation")
+    if not any(key in body for key in generating):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if value is None or isinstance(value, int) and value > MAX_TOKENS:
             body[key] = MAX_TOKENS

@@ -297,8 +297,8 @@ def test_a_tool_reply_without_text_has_null_content(gateway_server: GatewayServe
 
 def test_unknown_routes_and_methods_name_the_route(gateway_server: GatewayServer) -> None:
     url = gateway_server.url
-    e = error(httpx.post(url + "/v1/responses", json={}), 404)
-    assert e["code"] == "unknown_route" and "POST /v1/responses" in e["message"]
+    e = error(httpx.post(url + "/v1/embeddings", json={}), 404)
+    assert e["code"] == "unknown_route" and "POST /v1/embeddings" in e["message"]
     assert "POST /v1/chat/completions" in e["message"] and "model" not in e["code"]
     e = error(httpx.post(url + "/chat/completions", json={}), 404)  # base URL without /v1
     assert "Did you mean /v1/chat/completions?" in e["message"]

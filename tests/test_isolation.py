@@ -138,7 +138,8 @@ def test_missing_or_wrong_key_is_401_everywhere(gateway_server: GatewayServer,
     malformed key, even for an object that exists; the others are exactly the probes."""
     name, session = alpha_objects
     doc = httpx.get(gateway_server.url + "/openapi.json").json()
-    params = {"name": name, "session_id": session, "model": name}
+    params = {"name": name, "session_id": session, "model": name, "response_id": "resp_1",
+              "cid": "conv_1", "item_id": "msg_1"}
     open_routes = set()
     for path, operations in doc["paths"].items():
         for method, op in operations.items():

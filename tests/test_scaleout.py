@@ -257,6 +257,30 @@ def test_a_replica_of_another_base_model_is_refused(fleet: Fleet, smollm2_dir: P
         odd.stop()
 
 
+def test_chained_responses_go_to_the_replica_holding_their_kv(fleet: Fleet) -> None:
+    create = fleet.client().responses.with_raw_response.create
+    first = create(model=MODEL, input="Name a color.", max_output_tokens=4, temperature=0)
+    home, prev = _served_by(first), first.parse().id
+    # Keep `home` busy with a stream the router counts (a new response: routed by load alone):
+    # by load, the next turn would go to the idle replica; it must follow its KV instead.
+    busy = []
+    while not busy or _served_by(busy[-1]) != home:
+        assert len(busy) < 2
+        busy.append(create(model=MODEL, input="Count to a hundred.", max_output_tokens=400,
+                           store=False, stream=True))
+        next(iter(busy[-1].parse()))
+    try:
+        for text in ("Another one.", "And a third."):
+            turn = create(model=MODEL, input=text, previous_response_id=prev,
+                          max_output_tokens=4, temperature=0)
+            assert _served_by(turn) == home
+            prev = turn.parse().id
+            assert turn.parse().usage.input_tokens_details.cached_tokens >= 16
+    finally:
+        for b in busy:
+            b.parse().close()
+
+
 def test_a_session_moves_when_its_replica_dies(fleet: Fleet) -> None:
     system = {"role": "system", "content": "You are terse."}
     made = fleet.http("POST", "/v1/sessions", json={"model": MODEL, "messages": [system]})

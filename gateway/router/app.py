@@ -2,7 +2,9 @@
 decides which), and the answer comes back with `x-switchboard-replica`.
 
 Sessions: a turn (`session_id` in a chat completion) and `/v1/sessions/{id}[/fork]` go to the
-replica recorded for the session, `switchboard:affinity:{session_id}` -> replica id (TTL
+replica recorded for the session (likewise a response continuing `previous_response_id` or a
+`conversation`, keyed by that id; each response's replica is recorded from its
+`x-switchboard-response-id` header), `switchboard:affinity:{session_id}` -> replica id (TTL
 `AFFINITY_TTL_S`, renewed every turn); a new session or fork is recorded where it was made.
 When that replica is gone, the turn runs elsewhere and the affinity moves with it: the
 history is in Redis, so the new replica re-prefills it; a turn is acknowledged only once the
@@ -33,6 +35,7 @@ from gateway.body import read_capped
 from gateway.errors import APIError, install_error_handlers
 from gateway.redis_store import AFFINITY, Redis
 from gateway.registry import HEARTBEAT_S, ReplicaInfo
+from gateway.response_items import RESPONSE_ID_HEADER
 from gateway.router import proxy
 from gateway.router.pool import ReplicaPool
 
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 
 AFFINITY_TTL_S = 24 * 3600
 SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)(/fork)?")
+CONVERSATION_PATH = re.compile(r"/v1/conversations/([^/]+)(/.*)?")
 TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=60.0, pool=None)
 
 
@@ -107,6 +111,8 @@ def create_router_app(redis_url: str, max_body_bytes: int) -> FastAPI:
                 raise replica_failed(replica, e) from None
             if session and replica.id != affinity and not creates:
                 await _set_affinity(redis, session, replica)
+            if made := upstream.headers.get(RESPONSE_ID_HEADER):  # a response: its KV is here
+                await _set_affinity(redis, made, replica)
             if creates or (session and request.method == "DELETE"):
                 try:
                     response = await proxy.buffered(upstream, replica)
@@ -140,10 +146,18 @@ def _session_of(request: Request, body: bytes) -> tuple[str | None, bool]:
     """(the session whose replica should serve this, whether the answer creates a session
     whose affinity to record). `POST /v1/sessions` creates one with no parent."""
     path = request.url.path
-    if path == "/v1/sessions" and request.method == "POST":
+    if path in ("/v1/sessions", "/v1/conversations") and request.method == "POST":
         return None, True
     if m := SESSION_PATH.fullmatch(path):
         return m.group(1), m.group(2) is not None and request.method == "POST"
+    if m := CONVERSATION_PATH.fullmatch(path):
+        return m.group(1), False
+    if path == "/v1/responses" and request.method == "POST":  # the response it continues
+        data = _json(body)
+        conv = data.get("conversation")
+        key = data.get("previous_response_id") or (
+            conv.get("id") if isinstance(conv, dict) else conv)
+        return (key, False) if isinstance(key, str) else (None, False)
     if path == "/v1/chat/completions":
         sid = _json(body).get("session_id")
         return (sid, False) if isinstance(sid, str) else (None, False)

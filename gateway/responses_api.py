@@ -1,0 +1,245 @@
+"""`/v1/responses`: OpenAI's Responses API over the chat machinery and sessions.
+
+One request: auth -> body (ResponsesRequest) -> model -> admission (queue bound, tenant
+limits) -> chain (`previous_response_id` / `conversation`: the history, gateway/response_chain.py)
+-> plan, in a worker thread (items -> chat messages -> gateway/params.py's `plan_chat`: tools,
+`text.format`, template, tokens) -> grammar compile -> engine -> output items
+(gateway/response_output.py) -> the turn written to its session and the response stored (when
+`store`) -> the body, or the stream's `response.completed`. A response is acknowledged only
+once stored; one that failed is never stored.
+
+Each response's id is sent as the `x-switchboard-response-id` header too, before the body, so
+the router (gateway/router/app.py) can send the next turn to the replica holding its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, Callable
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.adapters import ensure_adapter
+from gateway.body import read_body
+from gateway.errors import APIError, bad_request
+from gateway.generation import Generation
+from gateway.params import EngineFacts, Plan, plan_chat, resolve_adapter
+from gateway.response_chain import Chain, Stores, commit, not_found, resolve_chain
+from gateway.response_items import (
+    RESPONSE_ID_HEADER,
+    Item,
+    ResponsesRequest,
+    input_messages,
+    message_items,
+    new_id,
+    reply_message,
+    response_param,
+    to_chat,
+)
+from gateway.response_output import OutputBuilder, response_body, response_usage
+from gateway.runtime import Runtime
+from gateway.session_store import Message, StoreUnavailable
+from gateway.sessions import store_unavailable
+from gateway.sse import SSEResponse
+from gateway.tokenizer import GatewayTokenizer
+from grammar.spec import GrammarError
+
+INCOMPLETE = {"length": "max_output_tokens"}
+
+
+def response_routes(rt: Runtime, stores: Stores, authenticate: Callable[..., str]) -> APIRouter:
+    router = APIRouter()
+    limit = rt.config.max_request_bytes
+
+    @router.post("/v1/responses")
+    async def create_response(request: Request, tenant: str = Depends(authenticate)) -> Response:
+        body = await read_body(request, ResponsesRequest, limit)
+        await ensure_adapter(rt, tenant, body.model)
+        adapter = resolve_adapter(body.model, rt.config.model_name, tenant, rt.engine.adapters)
+        tok, facts = rt.require_ready()
+        response_id = new_id("resp")
+        with rt.seats.reserve(1):
+            ticket = await rt.limiter.admit(tenant)
+            try:
+                chain = await resolve_chain(stores, tenant, body)
+                new, plan = await asyncio.to_thread(_plan, body, chain, tok, facts, adapter)
+                if plan.constraint is not None:
+                    try:
+                        await rt.engine.compile_grammar(plan.constraint)
+                    except GrammarError as e:
+                        raise bad_request(e.message,
+                                          response_param(e.param or "text.format")) from None
+                pins = body.store or chain.conversation
+                gen = Generation(rt.engine, response_id, plan.jobs, tenant, ticket, rt.metrics,
+                                 chain.session.id if pins else None)
+                gen.submit()
+            except BaseException:
+                ticket.release()
+                raise
+        turn = Turn(stores, body, chain, new, gen, tenant)
+        headers = {RESPONSE_ID_HEADER: response_id}
+        if body.stream:
+            sse = SSEResponse(turn.events(), on_close=gen.close)
+            sse.headers.update(headers)
+            return sse
+        try:
+            async for _ in gen.outputs(request.is_disconnected):
+                pass
+        finally:
+            gen.close()
+        return JSONResponse(await turn.finish(), headers=headers)
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, tenant: str = Depends(authenticate)) -> object:
+        return (await _record(stores, tenant, response_id))["body"]
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(
+        response_id: str, tenant: str = Depends(authenticate)
+    ) -> dict[str, object]:
+        if not await stores.responses.delete(tenant, response_id):
+            raise not_found("response", response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def input_items(
+        response_id: str,
+        tenant: str = Depends(authenticate),
+        after: str | None = None,
+        limit: int = Query(20, ge=1, le=100),
+        order: str = Query("desc", pattern="^(asc|desc)$"),
+    ) -> dict[str, object]:
+        items = (await _record(stores, tenant, response_id))["input"]
+        assert isinstance(items, list)
+        return page(items, after, limit, order)
+
+    return router
+
+
+def page(items: list[Item], after: str | None, limit: int, order: str) -> dict[str, object]:
+    """One page of a list, as OpenAI's cursor pages shape it."""
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [i.get("id") for i in ordered]
+        if after not in ids:
+            raise bad_request(f"No item with id '{after}' in this list.", "after")
+        ordered = ordered[ids.index(after) + 1:]
+    data = ordered[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}
+
+
+async def _record(stores: Stores, tenant: str, response_id: str) -> dict[str, object]:
+    record = await stores.responses.get(tenant, response_id)
+    if record is None:
+        raise not_found("response", response_id)
+    return record
+
+
+def _plan(body: ResponsesRequest, chain: Chain, tok: GatewayTokenizer, facts: EngineFacts,
+          adapter: str | None) -> tuple[list[Message], Plan]:
+    """(this turn's input as messages, its plan); in a worker thread. Errors name the
+    Responses parameters (`input`, `text.format`, `tools[i].parameters`)."""
+    new = input_messages(body.input)
+    try:
+        return new, plan_chat(to_chat(body, [*chain.history, *new]), tok, facts, adapter)
+    except APIError as e:
+        e.param = response_param(e.param)
+        raise
+
+
+class Turn:
+    """One response being generated: its output, then its commit (session + record)."""
+
+    def __init__(self, stores: Stores, body: ResponsesRequest, chain: Chain,
+                 new: list[Message], gen: Generation, tenant: str):
+        self.stores, self.body, self.chain, self.new, self.gen = stores, body, chain, new, gen
+        self.tenant = tenant
+        self.choice = gen.ordered[0]
+        spec = self.choice.job.params.constraint
+        self.output = OutputBuilder(spec if spec is not None and spec.kind == "tool_calls"
+                                    else None)
+        self.created_at = int(time.time())
+        self._seq = 0
+
+    def body_now(self, status: str, output: list[Item], usage: dict[str, object] | None = None,
+                 error: dict[str, object] | None = None,
+                 incomplete: str | None = None) -> dict[str, object]:
+        return response_body(self.body, self.gen.response_id, self.created_at, status, output,
+                             usage, error, incomplete)
+
+    async def finish(self) -> dict[str, object]:
+        """The finished response's body, stored first (non-streamed: the whole text at once).
+        A generation that failed is a 500 and stores nothing."""
+        c = self.choice
+        if c.finish_reason in (None, "abort"):  # the client left: nothing to store
+            return self.body_now("cancelled", [])
+        if c.finish_reason == "error":
+            raise APIError(500, f"generation failed: {c.error or 'engine error'}",
+                           "server_error", code="engine_error")
+        self.output.feed(c.text, final=True)
+        self.output.finish(self._item_status())
+        return await self._commit()
+
+    async def events(self) -> AsyncGenerator[str, None]:
+        """The Responses stream: created, in_progress, the items' events, then completed
+        (or incomplete) once stored; response.failed when generation fails."""
+        try:
+            yield self._event({"type": "response.created",
+                               "response": self.body_now("in_progress", [])})
+            yield self._event({"type": "response.in_progress",
+                               "response": self.body_now("in_progress", [])})
+            async for c, out in self.gen.outputs():
+                if c.finish_reason == "error":
+                    error: dict[str, object] = {"code": "server_error",
+                             "message": f"generation failed: {c.error or 'engine error'}"}
+                    yield self._event({"type": "response.failed", "response": self.body_now(
+                        "failed", self.output.items, error=error)})
+                    return
+                for e in self.output.feed(out.new_text, final=out.finished):
+                    yield self._event(e)
+                if out.finished:
+                    for e in self.output.finish(self._item_status()):
+                        yield self._event(e)
+            if self.choice.finish_reason in (None, "abort"):
+                return
+            try:
+                body = await self._commit()
+            except StoreUnavailable as err:
+                failure = store_unavailable(err)
+                yield self._event({"type": "error", "code": failure.code,
+                                   "message": failure.message, "param": None})
+                return
+            kind = "response.incomplete" if body["status"] == "incomplete" else \
+                "response.completed"
+            yield self._event({"type": kind, "response": body})
+        finally:
+            self.gen.close()
+
+    async def _commit(self) -> dict[str, object]:
+        finish = self.choice.finish_reason or "stop"
+        output = self.output.final_items()
+        incomplete = INCOMPLETE.get(finish, None)
+        body = self.body_now("incomplete" if incomplete else "completed", output,
+                             usage=response_usage(self.gen.usage()), incomplete=incomplete)
+        if self.body.store or self.chain.conversation:
+            chain = await commit(self.stores, self.chain, self.tenant,
+                                 [*self.new, reply_message(output)])
+            if self.body.store:
+                record = {"session": chain.session.id, "length": chain.length, "body": body,
+                          "input": message_items(self.new)}
+                await self.stores.responses.put(self.tenant, self.gen.response_id, record)
+        return body
+
+    def _item_status(self) -> str:
+        return "incomplete" if self.choice.finish_reason == "length" else "completed"
+
+    def _event(self, data: dict[str, object]) -> str:
+        data["sequence_number"] = self._seq
+        self._seq += 1
+        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {data['type']}\ndata: {text}\n\n"
+
