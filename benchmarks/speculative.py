@@ -7,8 +7,8 @@ Workloads (chat prompts, outputs of 48-96 tokens, a few requests at a time as on
 calls run):
   - tool_call: a JSON tool call whose arguments quote a log excerpt in the context;
   - code_edit: a function rewritten with one name changed (the rest is copied);
-  - json_schema: a record under a JSON schema (constrained: forced tokens use jump-forward,
-    not drafts, so this measures that speculation costs it nothing);
+  - json_schema: a record under a JSON schema (constrained: drafts start with the tokens the
+    grammar forces, then copy values from the context);
   - free_text: an answer that copies little (where drafts are rejected and turn off).
 Each is run greedy and sampled (T=0.7, a seed per request). Reported per workload: output
 tok/s off and on and their ratio, draft acceptance, tokens per drafted forward, and whether

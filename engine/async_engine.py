@@ -293,6 +293,7 @@ class AsyncEngine:
             spec_accepted=spec.accepted if spec else 0,
             spec_forwards=spec.forwards if spec else 0,
             spec_emitted=spec.emitted if spec else 0,
+            spec_forced=spec.forced if spec else 0,
         )
 
     def _send(self, outputs: list[RequestOutput]) -> None:

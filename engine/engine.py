@@ -187,7 +187,7 @@ class LLMEngine:
             return failed
         if self.speculator is not None and self.speculator.attach(
             batch, self._tokens_left, self.scheduler.add_draft,
-            self.scheduler.max_num_batched_tokens,
+            self.scheduler.max_num_batched_tokens, self.grammar,
         ):
             return failed + self._speculate(batch)
         if self.overlap and batch.all_sample:
@@ -261,21 +261,31 @@ class LLMEngine:
         accepted = self.speculator.accepted(seq, [r.token_id for r in good])
         new, lps = [], []
         try:
-            for r in good[: accepted + 1]:
-                req.token_ids.append(r.token_id)
-                new.append(r.token_id)
-                if r.logprob is not None:
+            for i, r in enumerate(good[: accepted + 1]):
+                forced = i < seq.num_forced  # the grammar's token, whatever was drawn
+                token = seq.draft[i] if forced else r.token_id
+                req.token_ids.append(token)
+                new.append(token)
+                if r.logprob is not None and not forced:  # none forced with logprobs
                     lps.append(r.logprob)
-                reason = self._check_stop(req, r.token_id)
+                reason = self._check_stop(req, token)
                 if reason:
                     self._finish(req, reason)
                     break
+                if i < accepted and self._forces_next(req):
+                    break  # as jump-forward would: the next draft starts with those tokens
         except Exception as e:
             log.exception("request %s failed after sampling", req.request_id)
             return self._fail(req, f"internal error: {type(e).__name__}: {e}")
         # The KV holds the last known token and each draft equal to the token after it.
         req.num_computed_tokens = seq.start + len(new)
         return self._output(req, new, lps or None)
+
+    def _forces_next(self, req: Request) -> bool:
+        """Whether the request's grammar now forces tokens that jump-forward would append."""
+        if req.matcher is None or req.params.logprobs is not None:
+            return False
+        return bool(self.grammar.forced_tokens(req, self._tokens_left(req)))
 
     def _wait_for_background(self, timeout: float) -> None:
         """Nothing could run: wait for an adapter read or a grammar compile to finish instead

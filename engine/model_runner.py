@@ -135,7 +135,8 @@ class ModelRunner:
             keep = [i for i, r in enumerate(step.rows) if r in wanted]
             logits = logits[upload([keep], torch.long, self.device)[0]]
         if masks is None and self.grammar is not None:
-            masks = self.grammar.start_fill(reqs)
+            drafts = {s.request: s.draft for s in step.batch.seqs if s.draft}
+            masks = self.grammar.start_fill(reqs, drafts)
         finite = torch.isfinite(logits).all(dim=1)  # (N,): comes back with the sampled tokens
         # The sampler computes on finite numbers only; the rows that had others are dropped.
         logits.nan_to_num_(0.0, 0.0, 0.0)

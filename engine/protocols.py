@@ -92,6 +92,7 @@ class EngineStats:
     spec_accepted: int = 0
     spec_forwards: int = 0
     spec_emitted: int = 0
+    spec_forced: int = 0
 
 
 class EngineClient(Protocol):

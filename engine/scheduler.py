@@ -33,6 +33,7 @@ class ScheduledSeq:
     # Draft tokens after the last known one (engine/speculative.py): the step computes them
     # too and samples at each of their positions; `num_new_tokens` counts them.
     draft: list[int] = field(default_factory=list)
+    num_forced: int = 0  # leading drafts the grammar forces: accepted without verification
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_new_tokens >= self.request.num_tokens
@@ -215,11 +216,12 @@ class Scheduler:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def add_draft(self, seq: ScheduledSeq, draft: list[int]) -> bool:
-        """Extend a decode by draft tokens, if their pages can be had without preempting."""
+    def add_draft(self, seq: ScheduledSeq, draft: list[int], num_forced: int = 0) -> bool:
+        """Extend a decode by draft tokens (the first `num_forced` forced by its grammar), if
+        their pages can be had without preempting."""
         if not self._reserve(seq.request, seq.start + 1 + len(draft)):
             return False
-        seq.draft = draft
+        seq.draft, seq.num_forced = draft, num_forced
         seq.num_new_tokens = 1 + len(draft)
         return True
 

@@ -11,11 +11,17 @@ have drawn one step at a time, for greedy and seeded sampling alike; and since a
 draft is one token with certainty, accepting it exactly when the target draws it is
 speculative sampling's rule (accept d with probability p(d), else draw from p without d).
 
+A constrained request's draft starts with the tokens its grammar forces (a JSON key, `": "`, a
+tool name: what jump-forward would append), accepted without verification, and goes on with
+looked-up tokens, cut where the grammar refuses one. Each position's draw is masked by the
+grammar in the state the draft tokens before it lead to (`GrammarStage.start_fill`), so the
+target distribution is the constrained one at every position.
+
 Where speculation does not pay it stays off: in batches of more than `MAX_BATCH` decodes (the
 forward is no longer memory-bound, so extra positions cost compute), and for a request whose
-drafts have mostly been rejected. Constrained requests (their grammar forces tokens through
-jump-forward instead), penalized ones (penalties count the tokens before each position) and
-requests that opt out (`SamplingParams.speculative=False`) do not speculate.
+looked-up drafts have mostly been rejected. Penalized requests (penalties count the tokens
+before each position), reasoning ones (their budget counts tokens one by one) and requests that
+opt out (`SamplingParams.speculative=False`) do not speculate.
 """
 
 from __future__ import annotations
@@ -35,6 +41,18 @@ PROBATION = 16  # ... once this many of its draft tokens have been verified
 class Drafter(Protocol):
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` tokens likely to follow `tokens` (the prompt and output so far)."""
+        ...
+
+
+class DraftGrammar(Protocol):
+    """The grammar stage's side of drafting (engine/structured.py)."""
+
+    def forced_tokens(self, req: Request, limit: int) -> list[int]:
+        """Tokens the request's grammar forces next (fewer than `limit`)."""
+        ...
+
+    def valid_prefix(self, req: Request, tokens: list[int]) -> int:
+        """How many leading `tokens` the request's grammar allows."""
         ...
 
 
@@ -70,6 +88,7 @@ class PromptLookup:
 class SpecStats:
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of them, accepted
+    forced: int = 0  # draft tokens a grammar forced (accepted without verification)
     forwards: int = 0  # sequence-steps that carried drafts
     emitted: int = 0  # tokens those sequence-steps produced (accepted + the one drawn)
 
@@ -92,8 +111,9 @@ class Speculator:
         self,
         batch: Batch,
         tokens_left: Callable[[Request], int],
-        add_draft: Callable[[ScheduledSeq, list[int]], bool],
+        add_draft: Callable[[ScheduledSeq, list[int], int], bool],
         budget: int,
+        grammar: DraftGrammar | None = None,
     ) -> bool:
         """Give the batch's eligible decodes their drafts within `budget` extra tokens;
         whether any got one. `tokens_left`: how many tokens a request may still produce."""
@@ -104,27 +124,38 @@ class Speculator:
         any_draft = False
         for seq in decodes:
             req = seq.request
-            k = min(self.k, tokens_left(req) - 1, budget)
-            if k <= 0 or not self._eligible(req):
+            left = min(tokens_left(req), budget + 1)
+            if left <= 1 or not self._eligible(req):
                 continue
-            draft = self.drafter.propose(req.token_ids, k)
-            if draft and add_draft(seq, draft):
+            forced: list[int] = []
+            if grammar is not None and req.matcher is not None and req.params.logprobs is None:
+                forced = grammar.forced_tokens(req, left)  # as jump-forward would append them
+            k = min(self.k, left - 1 - len(forced))
+            looked = self.drafter.propose(req.token_ids + forced, k) if k > 0 else []
+            if grammar is not None and looked:
+                allowed = grammar.valid_prefix(req, forced + looked)
+                looked = looked[: max(allowed - len(forced), 0)]
+            draft = forced + looked
+            if draft and add_draft(seq, draft, len(forced)):
                 budget -= len(draft)
                 any_draft = True
         return any_draft
 
     def accepted(self, seq: ScheduledSeq, drawn: list[int]) -> int:
-        """How many of `seq`'s drafts the tokens `drawn` at its positions accept (the leading
-        drafts equal to their position's token; `drawn` may stop short); recorded."""
-        n = 0
+        """How many of `seq`'s drafts are accepted given the tokens `drawn` at its positions
+        (`drawn` may stop short): the forced ones, then the looked-up ones equal to their
+        position's token; recorded."""
+        n = min(seq.num_forced, len(drawn))
         while n < min(len(seq.draft), len(drawn)) and seq.draft[n] == drawn[n]:
             n += 1
+        looked, hits = len(seq.draft) - seq.num_forced, max(n - seq.num_forced, 0)
         rid = seq.request.request_id
         drafted, accepted = self._record.get(rid, (0, 0))
-        self._record[rid] = drafted + len(seq.draft), accepted + n
+        self._record[rid] = drafted + looked, accepted + hits
         s = self.stats
-        s.drafted += len(seq.draft)
-        s.accepted += n
+        s.drafted += looked
+        s.accepted += hits
+        s.forced += min(seq.num_forced, n)
         s.forwards += 1
         s.emitted += n + 1
         return n
@@ -134,7 +165,7 @@ class Speculator:
 
     def _eligible(self, req: Request) -> bool:
         p = req.params
-        if not p.speculative or req.matcher is not None or p.needs_penalties:
+        if not p.speculative or p.needs_penalties:
             return False
         if req.reasoning is not None:  # its budget counts tokens one by one
             return False

@@ -93,13 +93,29 @@ class GrammarStage:
 
     # -- the mask stage -------------------------------------------------------------------
 
-    def start_fill(self, reqs: list[Request]) -> Future | None:
+    def start_fill(
+        self, reqs: list[Request], drafts: dict[Request, list[int]] | None = None
+    ) -> Future | None:
         """Fill the bitmask rows of the masked requests among `reqs` (the step's sampling
-        rows, in order) on the helper thread; None when none is masked."""
-        fillers = [(i, f) for i, r in enumerate(reqs) if (f := self._filler_of(r)) is not None]
+        rows, in order) on the helper thread; None when none is masked. A request with a draft
+        (`drafts`) has consecutive rows, one per position: each row is masked as if the draft
+        tokens before it had been accepted."""
+        drafts = drafts or {}
+        fillers: list[tuple[int, Callable[[torch.Tensor, int], None]]] = []
+        rows: list[int] = []  # every masked row, a draft's later positions included
+        for i, r in enumerate(reqs):
+            if i and reqs[i - 1] is r:  # a later position of a draft: its first row fills it
+                if rows and rows[-1] == i - 1:
+                    rows.append(i)
+                continue
+            f = self._filler_of(r)
+            if f is not None:
+                draft = drafts.get(r)
+                fillers.append((i, partial(_fill_draft, r.matcher, draft) if draft else f))
+                rows.append(i)
         if not fillers:
             return None
-        return self._filler.submit(self._fill, fillers, len(reqs))
+        return self._filler.submit(self._fill, fillers, rows, len(reqs))
 
     def _filler_of(self, req: Request) -> Callable[[torch.Tensor, int], None] | None:
         """What fills the request's row (`fill(bitmask, row)`), decided now, on the engine
@@ -119,12 +135,14 @@ class GrammarStage:
             if 0 <= t < self.vocab_size:
                 bitmask[row, t // 32] &= _int32(~(1 << (t % 32)) & 0xFFFFFFFF)
 
-    def _fill(self, fillers: list[tuple[int, Callable[[torch.Tensor, int], None]]], n: int):
+    def _fill(
+        self, fillers: list[tuple[int, Callable[[torch.Tensor, int], None]]], rows: list[int],
+        n: int,
+    ):
         # Pinned where there is a GPU, so `apply` uploads it without waiting for the forward.
         bitmask = torch.full((n, self._words), -1, dtype=torch.int32,
                              pin_memory=torch.cuda.is_available())  # (rows, vocab / 32)
         errors: dict[int, str] = {}
-        rows = [row for row, _ in fillers]
         for row, fill in fillers:
             try:
                 fill(bitmask, row)
@@ -160,13 +178,26 @@ class GrammarStage:
         return f"the grammar refused sampled token {token}"
 
     def jump_forward(self, req: Request, limit: int) -> list[int]:
-        """Tokens the grammar forces next (at most `limit`), already accepted by the matcher.
+        """Tokens the grammar forces next (`forced_tokens`), already accepted by the matcher.
+        The engine appends these tokens; the next step computes them as one chunk."""
+        if req.matcher is None:
+            return []
+        tokens = self.forced_tokens(req, limit)
+        for i, t in enumerate(tokens):
+            if not req.matcher.accept(t):
+                req.matcher.rollback(i)
+                return []
+        self.jump_forward_tokens += len(tokens)
+        return tokens
+
+    def forced_tokens(self, req: Request, limit: int) -> list[int]:
+        """The tokens the grammar forces after the request's last token (at most `limit - 1`),
+        the matcher left as it is.
 
         The forced text is retokenized together with the last token, so the boundary stays
         canonical: if the last token would merge with the forced text, nothing is forced. The
         final forced token is left for the model to sample, since it could merge with what
-        follows. The engine appends these tokens; the next step computes them as one chunk.
-        """
+        follows."""
         if req.matcher is None or limit <= 1 or _thinking(req):
             return []
         forced = req.matcher.forced_continuation()
@@ -178,13 +209,23 @@ class GrammarStage:
         )
         if len(ids) < 3 or ids[0] != last:
             return []
-        tokens = ids[1:-1][: limit - 1]
-        for i, t in enumerate(tokens):
-            if not req.matcher.accept(t):
-                req.matcher.rollback(i)
-                return []
-        self.jump_forward_tokens += len(tokens)
-        return tokens
+        return ids[1:-1][: limit - 1]
+
+    @staticmethod
+    def valid_prefix(req: Request, tokens: list[int]) -> int:
+        """How many leading `tokens` the request's grammar allows in a row (all without a
+        grammar, none while it reasons); the matcher is left as it was."""
+        if req.matcher is None:
+            return len(tokens)
+        if _thinking(req):
+            return 0
+        n = 0
+        try:
+            while n < len(tokens) and req.matcher.accept(tokens[n]):
+                n += 1
+        finally:
+            req.matcher.rollback(n)
+        return n
 
     @staticmethod
     def terminated(req: Request) -> bool:
@@ -204,6 +245,22 @@ class GrammarStage:
         self._filler.shutdown(wait=False)
         if self._compiler is not None:
             self._compiler.close()
+
+
+def _fill_draft(matcher: Any, draft: list[int], bitmask: torch.Tensor, row: int) -> None:
+    """Rows `row..row + len(draft)`: the mask after each prefix of `draft`. Rows past a draft
+    token the grammar refuses stay unmasked: the draw before them cannot accept that token, so
+    their tokens are never used."""
+    matcher.fill_bitmask(bitmask, row)
+    n = 0
+    try:
+        for n, token in enumerate(draft, 1):
+            if not matcher.accept(token):
+                n -= 1
+                break
+            matcher.fill_bitmask(bitmask, row + n)
+    finally:
+        matcher.rollback(n)
 
 
 def _thinking(req: Request) -> bool:

@@ -109,6 +109,8 @@ class _PrefixCacheCollector:
              stats.spec_forwards),
             ("switchboard_spec_emitted_tokens", "Tokens produced by those sequence-steps "
              "(per forward: this / switchboard_spec_forwards)", stats.spec_emitted),
+            ("switchboard_spec_forced_tokens", "Draft tokens a grammar forced (accepted "
+             "without verification)", stats.spec_forced),
         ]:
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("switchboard_prefix_cache_pages", "KV pages the prefix cache holds",

@@ -97,6 +97,12 @@ class GatewayServer:
         return read_metrics(self.url)
 
 
+def busy_pages(m: dict[str, float]) -> float:
+    """KV pages held by requests, from a /metrics reading: the used pages but those sessions
+    (and stored Responses, which are sessions) pin between turns by design."""
+    return m["switchboard_kv_pages_used"] - m.get("switchboard_session_pinned_pages", 0)
+
+
 def read_metrics(url: str) -> dict[str, float]:
     """A server's /metrics as {series (name with labels): value} (read with `ADMIN_KEY`,
     which servers without it must serve --public-metrics or without keys)."""

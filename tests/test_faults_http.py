@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import regex
-from conftest import GatewayServer
+from conftest import GatewayServer, busy_pages
 
 from tests.tiny_models import save_peft_adapter
 
@@ -37,7 +37,7 @@ def _wait_idle(server: GatewayServer, timeout: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        if (m["switchboard_kv_pages_used"], m["switchboard_running_batch_size"],
+        if (busy_pages(m), m["switchboard_running_batch_size"],
                 m["switchboard_queue_depth"]) == (0, 0, 0):
             return m
         assert time.monotonic() < deadline, f"requests stuck: {m}"

@@ -148,7 +148,7 @@ def test_stage_fails_a_row_its_matcher_cannot_continue(tokenizer):
     stage = GrammarStage(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     try:
         _, _, errors = stage._fill(
-            [(0, _Stuck().fill_bitmask), (2, _OverLimit().fill_bitmask)], 3)
+            [(0, _Stuck().fill_bitmask), (2, _OverLimit().fill_bitmask)], [0, 2], 3)
         assert errors == {0: "the grammar allows no next token: the output cannot be completed"}
         why = GrammarStage.accept(SimpleNamespace(matcher=_OverLimit(), reasoning=None), 7)
         assert why == ("the grammar backend failed on sampled token 7: llguidance: lexer "

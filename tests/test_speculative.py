@@ -1,7 +1,8 @@
 """Speculative decoding (engine/speculative.py): prompt-lookup drafts verified in one forward
 give exactly the tokens of decoding one step at a time, greedy and seeded sampling alike, with
-stop strings, max_tokens and logprobs as without speculation; opted-out, penalized and
-constrained requests never draft; no page leaks."""
+stop strings, max_tokens and logprobs as without speculation; constrained requests draft what
+their grammar forces and what they copy, and still validate; opted-out and penalized requests
+never draft; no page leaks."""
 
 from __future__ import annotations
 
@@ -97,16 +98,56 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(smollm2):
     assert len({tuple(p.token_ids) for p in plain}) > 1  # the seeds do sample
 
 
-def test_opted_out_penalized_and_constrained_requests_do_not_draft(smollm2):
+def test_opted_out_and_penalized_requests_do_not_draft(smollm2):
     prompt = _copy_prompts(smollm2)[0]
-    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
-    rf = {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
     for params in (SamplingParams(max_tokens=20, temperature=0, speculative=False),
-                   SamplingParams(max_tokens=20, temperature=0, frequency_penalty=0.5),
-                   SamplingParams(max_tokens=20, temperature=0, response_format=rf)):
+                   SamplingParams(max_tokens=20, temperature=0, frequency_penalty=0.5)):
         with speculating(smollm2) as spec:
             smollm2.generate([prompt], [params])
-        assert spec.stats.drafted == 0, params
+        assert spec.stats.drafted == 0 and spec.stats.forced == 0, params
+
+
+RECORD = {"service": "billing", "status": 503, "region": "eu-west-1", "retry": True}
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {"service": {"type": "string"}, "status": {"type": "integer"},
+                   "region": {"type": "string"}, "retry": {"type": "boolean"}},
+    "required": ["service", "status", "region", "retry"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_constrained_drafts_are_forced_then_looked_up(smollm2):
+    """A JSON-schema request drafts the keys and punctuation its grammar forces (accepted
+    without verification) and the values it copies from its prompt (verified under the mask of
+    each position): the same tokens as without speculation (jump-forward included), valid."""
+    import json
+
+    import jsonschema
+
+    tok = smollm2.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this JSON exactly:\n{json.dumps(RECORD)}"}],
+        tokenize=False, add_generation_prompt=True))
+    rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": RECORD_SCHEMA}}
+    params = [SamplingParams(max_tokens=60, temperature=0, response_format=rf),
+              SamplingParams(max_tokens=60, temperature=0.8, seed=7, response_format=rf),
+              SamplingParams(max_tokens=60, temperature=0, response_format=rf, logprobs=1)]
+    plain = smollm2.generate([prompt] * 3, params)
+    eng = smollm2.engine
+    eng.reset_prefix_cache()
+    free = eng.allocator.num_free
+    with speculating(smollm2) as spec:
+        got = smollm2.generate([prompt] * 3, params)
+    assert spec.stats.forced > 0 and spec.stats.accepted > 0  # both kinds of draft
+    for g, want in zip(got, plain, strict=True):
+        assert (g.token_ids, g.text, g.finish_reason) == (
+            want.token_ids, want.text, want.finish_reason)
+        assert g.finish_reason == "stop", g.text
+        jsonschema.validate(json.loads(g.text), RECORD_SCHEMA)
+    assert len(got[2].logprobs or []) == len(got[2].token_ids)
+    eng.reset_prefix_cache()
+    assert eng.allocator.num_free == free
 
 
 def test_a_request_whose_drafts_fail_stops_drafting():
