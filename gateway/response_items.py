@@ -122,6 +122,8 @@ def input_messages(value: str | list[Item], param: str = "input") -> list[Messag
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call],
                             "id": new_id("msg")})
+        elif kind == "reasoning":
+            continue  # an earlier turn's reasoning, sent back: the history keeps answers only
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _parts(output, f"{p}.output",
@@ -214,6 +216,12 @@ def output_text(text: str) -> Item:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> Item:
+    """A reasoning model's thinking (engine/reasoning.py) as a Responses `reasoning` item."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def function_call(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Item:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
@@ -240,6 +248,10 @@ def reply_message(output: list[Item]) -> Message:
 # -- the chat request this response is planned as -------------------------------------------
 
 
+# Switchboard's chat extensions a Responses request may carry too (reasoning models).
+PASSED_EXTRAS = ("max_reasoning_tokens", "chat_template_kwargs")
+
+
 def to_chat(body: ResponsesRequest, messages: list[Message]) -> ChatCompletionRequest:
     """The chat completion that generates `body`'s reply, `messages` being its whole
     conversation (history and input; `instructions` go first, as a system message)."""
@@ -253,6 +265,9 @@ def to_chat(body: ResponsesRequest, messages: list[Message]) -> ChatCompletionRe
         "top_p": body.top_p, "user": body.user,
         "parallel_tool_calls": body.parallel_tool_calls,
     }
+    for key in PASSED_EXTRAS:  # extensions, as the chat completions take them
+        if key in (body.model_extra or {}):
+            chat[key] = (body.model_extra or {})[key]
     if body.tools is not None:
         chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
     if body.tool_choice is not None:

@@ -1,10 +1,11 @@
 """A response's output items and body, built the same way for a stream and a whole response.
 
 `OutputBuilder` turns one choice's text into `message` and `function_call` items through the
-tool-call parser the chat completions use (grammar/tool_parser.py), and says each step as a
-Responses stream event (`response.output_item.added`, `...output_text.delta`, ...). The
-non-streamed response feeds the whole text at once into a builder, so both shapes agree.
-Events carry no `sequence_number`; the stream numbers them as it sends them.
+tool-call parser the chat completions use (grammar/tool_parser.py), and a reasoning model's
+reasoning into a `reasoning` item before them, and says each step as a Responses stream event
+(`response.output_item.added`, `...output_text.delta`, ...). The non-streamed response feeds
+the whole text at once into a builder, so both shapes agree. Events carry no
+`sequence_number`; the stream numbers them as it sends them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gateway.response_items import (
     new_id,
     output_message,
     output_text,
+    reasoning_item,
 )
 from grammar.spec import ConstraintSpec
 from grammar.tool_parser import Arguments, CallEnd, CallStart, Event, Text, ToolCallParser
@@ -59,6 +61,19 @@ class OutputBuilder:
                             "delta": e.text})
             elif isinstance(e, CallEnd):
                 out += self._close("completed")
+        return out
+
+    def reason(self, text: str) -> list[Event_]:
+        """Reasoning text (it all comes before the answer): one `reasoning` item."""
+        if not text:
+            return []
+        out: list[Event_] = []
+        if self._open is None or self.items[self._open]["type"] != "reasoning":
+            out += self._close("completed")
+            out += self._add(reasoning_item(new_id("rs"), "", "in_progress"))
+        part = self._part()
+        part["text"] = str(part["text"]) + text
+        out.append({"type": "response.reasoning_text.delta", **self._where(), "delta": text})
         return out
 
     def finish(self, status: str) -> list[Event_]:
@@ -117,6 +132,11 @@ class OutputBuilder:
                         "logprobs": []})
             out.append({"type": "response.content_part.done", **self._where(),
                         "part": output_text(text)})
+            self._open = None
+        elif item["type"] == "reasoning":
+            self._open = index
+            out.append({"type": "response.reasoning_text.done", **self._where(),
+                        "text": str(self._part()["text"])})
             self._open = None
         else:
             out.append({"type": "response.function_call_arguments.done", "item_id": item["id"],

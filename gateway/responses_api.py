@@ -180,6 +180,7 @@ class Turn:
         if c.finish_reason == "error":
             raise APIError(500, f"generation failed: {c.error or 'engine error'}",
                            "server_error", code="engine_error")
+        self.output.reason(c.reasoning)
         self.output.feed(c.text, final=True)
         self.output.finish(self._item_status())
         return await self._commit()
@@ -199,7 +200,8 @@ class Turn:
                     yield self._event({"type": "response.failed", "response": self.body_now(
                         "failed", self.output.items, error=error)})
                     return
-                for e in self.output.feed(out.new_text, final=out.finished):
+                for e in [*self.output.reason(out.new_reasoning_text),
+                          *self.output.feed(out.new_text, final=out.finished)]:
                     yield self._event(e)
                 if out.finished:
                     for e in self.output.finish(self._item_status()):

@@ -159,3 +159,30 @@ def test_session_turns_reason_then_call(client: OpenAI, server: GatewayServer) -
                         timeout=60).json()["messages"]
     assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant"]
     assert history[1]["reasoning_content"] == _reasoning_of(first.message)
+
+
+def test_responses_carry_a_reasoning_item(client: OpenAI, server: GatewayServer) -> None:
+    """The Responses API: the reasoning is a `reasoning` item before the answer's message,
+    streamed as reasoning_text events; sent back as input, it is accepted."""
+    kw: dict[str, Any] = {"model": server.model, "input": "What is the weather in Paris?",
+                          "max_output_tokens": 16, "temperature": 0,
+                          "extra_body": {"max_reasoning_tokens": 6}}
+    r = client.responses.create(**kw)
+    kinds = [item.type for item in r.output]
+    assert kinds[0] == "reasoning" and "message" in kinds, kinds
+    reasoning = r.output[0].content[0].text
+    assert reasoning and "</think>" not in r.output_text
+    assert r.usage.output_tokens_details.reasoning_tokens == 6
+
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    done = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert deltas == reasoning and [e.text for e in done] == [reasoning]
+    final = events[-1].response
+    assert [i.type for i in final.output] == kinds and final.output_text == r.output_text
+
+    again = client.responses.create(**{**kw, "input": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        *[item.model_dump(exclude_none=True) for item in r.output],
+        {"role": "user", "content": "And in Rome?"}]})
+    assert again.output[0].type == "reasoning"
