@@ -99,7 +99,8 @@ class GatewayServer:
 
 def busy_pages(m: dict[str, float]) -> float:
     """KV pages held by requests, from a /metrics reading: the used pages but those sessions
-    (and stored Responses, which are sessions) pin between turns by design."""
+    (and stored Responses, which are sessions) pin between turns by design. Pins are counted
+    per session, so forks sharing pages make this negative: compare with `<= 0`."""
     return m["switchboard_kv_pages_used"] - m.get("switchboard_session_pinned_pages", 0)
 
 

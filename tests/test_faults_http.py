@@ -37,8 +37,8 @@ def _wait_idle(server: GatewayServer, timeout: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        if (busy_pages(m), m["switchboard_running_batch_size"],
-                m["switchboard_queue_depth"]) == (0, 0, 0):
+        if busy_pages(m) <= 0 and (m["switchboard_running_batch_size"],
+                                   m["switchboard_queue_depth"]) == (0, 0):
             return m
         assert time.monotonic() < deadline, f"requests stuck: {m}"
         time.sleep(0.05)
