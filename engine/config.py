@@ -177,6 +177,11 @@ class EngineConfig(BaseModel):
     session_kv_pages: int | None = setting(
         None, ge=0, help="KV pages a tenant's sessions keep pinned between turns "
         "(default: a quarter of the pool)")
+    host_kv_gb: float = setting(
+        0.0, ge=0, metavar="GB", help="host-memory KV tier under the prefix cache: evicted KV "
+        "moves there and is copied back on a hit instead of recomputed (0: off)")
+    host_kv_pages: int | None = setting(
+        None, ge=0, help="host-tier KV pages (default: sized from --host-kv-gb)")
 
     @model_validator(mode="after")
     def _check_loras(self) -> EngineConfig:
@@ -197,6 +202,8 @@ class EngineConfig(BaseModel):
                                  num_pages * self.page_size),
             "session_kv_pages": (num_pages // 4 if self.session_kv_pages is None
                                  else self.session_kv_pages),
+            "host_kv_pages": (int(self.host_kv_gb * 2**30) // self._page_bytes(model)
+                              if self.host_kv_pages is None else self.host_kv_pages),
             "cuda_graphs": on_cuda if self.cuda_graphs is None else self.cuda_graphs,
             "overlap_schedule": on_cuda if self.overlap_schedule is None
             else self.overlap_schedule,
@@ -204,9 +211,12 @@ class EngineConfig(BaseModel):
 
     def _pages_for_budget(self, model: ModelConfig) -> int:
         """Pages whose K and V, over all layers, fit in `kv_cache_gb`."""
-        page_bytes = (2 * model.num_layers * model.num_kv_heads * model.head_dim
-                      * DTYPE_BYTES[self.dtype] * self.page_size)
-        return max(1, int(self.kv_cache_gb * 2**30) // page_bytes)
+        return max(1, int(self.kv_cache_gb * 2**30) // self._page_bytes(model))
+
+    def _page_bytes(self, model: ModelConfig) -> int:
+        """One page's K and V over all layers."""
+        return (2 * model.num_layers * model.num_kv_heads * model.head_dim
+                * DTYPE_BYTES[self.dtype] * self.page_size)
 
 
 class ResolvedConfig(EngineConfig):
@@ -216,5 +226,6 @@ class ResolvedConfig(EngineConfig):
     num_pages: int
     max_model_len: int
     session_kv_pages: int
+    host_kv_pages: int
     cuda_graphs: bool
     overlap_schedule: bool

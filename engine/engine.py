@@ -18,6 +18,7 @@ import torch
 
 from engine.config import EngineConfig, ModelLoadError
 from engine.detokenizer import Decoder, IncrementalDetokenizer
+from engine.kv_host import HostKVPool
 from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
 from engine.model_runner import ModelRunner, Step
@@ -71,8 +72,17 @@ class LLMEngine:
             slots = LoraSlots(mc, cfg.max_loras, cfg.max_lora_rank, dtype, device)
         self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
         lora = wrap_model(self.model, slots) if slots else None
+        self.runner = ModelRunner(
+            self.model, cfg.num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora,
+            cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
+            max_model_len=cfg.max_model_len, eos_token_ids=sorted(self.eos_token_ids),
+        )
+        host_kv = None
+        if cfg.host_kv_pages and cfg.prefix_cache:
+            host_kv = self.runner.host_kv = HostKVPool(self.runner.kv_caches, cfg.host_kv_pages,
+                                                       cfg.page_size)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
-                                        cfg.session_kv_pages)
+                                        cfg.session_kv_pages, host_kv)
         self.scheduler = Scheduler(
             self.allocator,
             cfg.page_size,
@@ -81,11 +91,6 @@ class LLMEngine:
             adapters=self.adapters,
             is_ready=self.grammar.is_ready,
             cache=self.prefix_cache,
-        )
-        self.runner = ModelRunner(
-            self.model, cfg.num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora,
-            cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
-            max_model_len=cfg.max_model_len, eos_token_ids=sorted(self.eos_token_ids),
         )
         self._requests: dict[str, Request] = {}
         self._ahead: Step | None = None  # the overlapped decode step in flight

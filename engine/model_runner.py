@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.cuda_graphs import EXTEND_ROWS, DecodeGraphs, ExtendGraphs
+from engine.kv_host import HostKVPool
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Drawn, Sampler, SampleResult
@@ -64,6 +65,8 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.device = w.device
+        # The prefix cache's host tier, when there is one: forwards wait for its loads (fence).
+        self.host_kv: HostKVPool | None = None
         eos = cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
         self.sampler = Sampler(seed, eos)
         self.graphs: DecodeGraphs | None = None
@@ -103,6 +106,8 @@ class ModelRunner:
         the batch's decodes are of the tokens that step draws: they feed in on the device,
         before the host has seen them (the overlapped schedule, `LLMEngine._overlap_step`);
         its prompts, if any, are known on the host."""
+        if self.host_kv is not None:
+            self.host_kv.fence()
         seqs = sorted(batch.seqs, key=self._layout)
         inputs = StepInputs.build(seqs, self.page_size)
         input_ids = None if after is None else self._fed_ids(seqs, inputs, after)

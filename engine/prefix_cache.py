@@ -13,16 +13,56 @@ on `request.cache_node`; the rest belong to the request. The scheduler calls:
   pages go back to the allocator and its lock is dropped (a session's path is pinned).
 - `make_room(n)` when the allocator runs short: evict unlocked LRU leaves first, unpinning
   idle sessions if that is what it takes.
+- `ready(req)` before admission, with a host tier: a request whose prefix is partly on the host
+  has it copied back (asynchronously, `HostKV.load`) and waits, holding a lock on it, until
+  the copy is done; the others go ahead meanwhile.
+
+The host tier (`host`, engine/kv_host.py) sits under the tree: evicted device pages move to
+host pages (their own pool and allocator here) instead of being dropped, and a session's KV is
+written through to the host when its turn ends, so evicting it later copies nothing. Host pages
+are evicted LRU in turn when the host pool is full.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 from engine.page_allocator import PageAllocator
 from engine.request import Request
 from sessions.pins import SessionPins
-from sessions.radix_tree import RadixTree
+from sessions.radix_tree import RadixNode, RadixTree
+
+
+class CopyStats(NamedTuple):
+    bytes_to_host: int = 0
+    seconds_to_host: float = 0.0
+    bytes_to_device: int = 0
+    seconds_to_device: float = 0.0
+
+
+class HostKV(Protocol):
+    """Copies KV pages between the device pool and the host tier's pool (engine/kv_host.py).
+
+    Copies are queued in order with the device's work: `offload` reads the device pages as
+    they are once the work queued before it is done, so the caller may free and reuse them at
+    once; `load` writes device pages that nothing may read before `done(handle)`."""
+
+    num_pages: int  # the host pool's size
+
+    def offload(self, device_pages: list[int], host_pages: list[int]) -> None: ...
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> Any: ...
+
+    def done(self, handle: Any) -> bool: ...
+
+    def copy_stats(self) -> CopyStats: ...
+
+
+class _Load(NamedTuple):
+    node: RadixNode  # the loaded path's end, locked until the request attaches it
+    num_pages: int
+    handle: Any
 
 
 @dataclass(frozen=True)
@@ -33,25 +73,74 @@ class PrefixCacheStats:
     cached_pages: int = 0  # pages the tree owns now
     evictable_pages: int = 0  # of those, pages no running request locks and no session pins
     pinned_pages: int = 0  # pages sessions keep between turns (counted per session)
+    host_hit_tokens: int = 0  # of hit_tokens, those whose KV was loaded from the host tier
+    host_pages: int = 0  # host-tier pages the tree holds now
+    host_pages_total: int = 0  # the host pool's size (0: no host tier)
+    offloaded_pages: int = 0  # device pages evicted to the host tier (not dropped)
+    loaded_pages: int = 0  # pages loaded back from the host tier
+    copy: CopyStats = CopyStats()
 
 
 class PrefixCache:
     """`enabled=False` keeps the same calls but never matches nor stores anything.
 
     `session_pages`: per-tenant budget of pages that sessions may keep pinned between turns.
+    `host`: the host tier's copier (None: evicted KV is dropped).
     """
 
     def __init__(
         self, allocator: PageAllocator, page_size: int, enabled: bool = True,
-        session_pages: int = 0,
+        session_pages: int = 0, host: HostKV | None = None,
     ):
         self.allocator = allocator
         self.page_size = page_size
         self.enabled = enabled
         self.tree = RadixTree(page_size)
         self.pins = SessionPins(self.tree, session_pages)
+        self.host = host if enabled else None
+        self.host_allocator = PageAllocator(host.num_pages if self.host else 0)
+        self._loading: dict[Request, _Load] = {}  # waiting requests whose prefix is loading
         self.hit_tokens = 0
         self.miss_tokens = 0
+        self.host_hit_tokens = 0
+        self.loaded_pages = 0
+
+    # -- loading from the host tier -------------------------------------------------------
+
+    def ready(self, req: Request) -> bool:
+        """May `req` be attached now? False while the host-resident part of its cached prefix
+        is being copied back to the device (started by the first call: the prefix is locked
+        meanwhile). Never False for want of room: with too few device pages for the copy,
+        the request starts from its device prefix and computes the rest."""
+        load = self._loading.get(req)
+        if load is not None:
+            assert self.host is not None
+            return self.host.done(load.handle)
+        if self.host is None:
+            return True
+        nodes = self.tree.host_path(req.namespace, req.token_ids)
+        if not nodes or not self.make_room(_num_host_pages(nodes)):
+            return True
+        nodes = self.tree.host_path(req.namespace, req.token_ids)  # make_room may move them
+        n = _num_host_pages(nodes)
+        if not nodes or n > self.allocator.num_free:
+            return True
+        pages = self.allocator.allocate(n)
+        handle = self.host.load([p for x in nodes for p in x.host_pages], pages)
+        self.tree.promote(nodes, pages)
+        self.tree.lock(nodes[-1])
+        self._loading[req] = _Load(nodes[-1], n, handle)
+        self.loaded_pages += n
+        return self.host.done(handle)
+
+    def _drop_load(self, req: Request) -> int:
+        """Forget `req`'s load (done or not: a later step's forward waits for its copy, see
+        `HostKV`); its pages stay cached. Returns how many pages it loaded."""
+        load = self._loading.pop(req, None)
+        if load is None:
+            return 0
+        self.tree.unlock(load.node)
+        return load.num_pages
 
     # -- admission ------------------------------------------------------------------------
 
@@ -69,6 +158,7 @@ class PrefixCache:
                 self.tree.lock(m.last_node)
                 req.cache_node, req.pages = m.last_node, list(pages)
                 req.num_cached_pages, req.num_computed_tokens = len(pages), hit
+            self.host_hit_tokens += min(self._drop_load(req) * self.page_size, hit)
         if req.num_preemptions == 0:
             req.num_cached_tokens = hit
         self.hit_tokens += hit
@@ -105,9 +195,46 @@ class PrefixCache:
         A request of a session pins its path for the next turn (see `SessionPins`).
         """
         self.commit(req)
+        self._drop_load(req)  # a waiting request that ends while its prefix loads
         if req.session_id is not None and req.cache_node is not None and req.finished:
             self.pins.pin(req.tenant, req.session_id, req.cache_node)
+            self._write_through(req.cache_node)
         self._free_own_and_unlock(req)
+
+    def _write_through(self, node: RadixNode) -> None:
+        """Copy a pinned session path's KV to the host tier where it has no copy yet, so
+        that evicting it later moves nothing (and a restart-safe tier could keep it)."""
+        if self.host is None:
+            return
+        path = []
+        while node.parent is not None:
+            if not node.host_pages:
+                path.append(node)
+            node = node.parent
+        for n in reversed(path):  # root side first: a full host pool keeps the head
+            host_pages = self._host_room(len(n.pages), keep=n)
+            if host_pages is None:
+                return
+            self.host.offload(n.pages, host_pages)
+            self.tree.set_host_copy(n, host_pages)
+
+    def _offload(self, node: RadixNode) -> list[int] | None:
+        """`RadixTree.evict`'s hook: copy `node`'s device KV to new host pages."""
+        assert self.host is not None
+        host_pages = self._host_room(len(node.pages), keep=node)
+        if host_pages is not None:
+            self.host.offload(node.pages, host_pages)
+        return host_pages
+
+    def _host_room(self, n: int, keep: RadixNode) -> list[int] | None:
+        """`n` host pages, evicting LRU host pages (not `keep`'s path's) if need be; None
+        when they cannot be had."""
+        short = n - self.host_allocator.num_free
+        if short > 0:
+            self.host_allocator.free(self.tree.evict_host(short, keep))
+        if not self.host_allocator.can_allocate(n):
+            return None
+        return self.host_allocator.allocate(n)
 
     def _free_own_and_unlock(self, req: Request) -> None:
         own = req.pages[req.num_cached_pages :]
@@ -134,7 +261,10 @@ class PrefixCache:
         # Evicting scans the whole tree, and decode asks for a page or two at a time: take a
         # 1/64 of the pool per scan (at least what is short), so the scans stay rare.
         batch = max(short, self.allocator.num_pages // 64)
-        self.allocator.free(self.tree.evict(min(batch, self.tree.evictable_pages)))
+        freed = self.tree.evict(min(batch, self.tree.evictable_pages),
+                                self._offload if self.host else None)
+        self.allocator.free(freed.device)
+        self.host_allocator.free(freed.host)
         return True
 
     def release_session(self, session_id: str) -> None:
@@ -146,8 +276,9 @@ class PrefixCache:
         running request holds a lock."""
         freed = self.tree.reset()
         self.pins.clear()
-        self.allocator.free(freed)
-        return len(freed)
+        self.allocator.free(freed.device)
+        self.host_allocator.free(freed.host)
+        return len(freed.device)
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(
@@ -157,4 +288,14 @@ class PrefixCache:
             cached_pages=self.tree.cached_pages,
             evictable_pages=self.tree.evictable_pages,
             pinned_pages=self.pins.num_pages,
+            host_hit_tokens=self.host_hit_tokens,
+            host_pages=self.tree.host_pages,
+            host_pages_total=self.host_allocator.num_pages,
+            offloaded_pages=self.tree.offloaded_pages,
+            loaded_pages=self.loaded_pages,
+            copy=self.host.copy_stats() if self.host else CopyStats(),
         )
+
+
+def _num_host_pages(nodes: list[RadixNode]) -> int:
+    return sum(len(n.host_pages) for n in nodes)

@@ -190,11 +190,12 @@ class Scheduler:
         return True
 
     def _startable(self, req: Request, batch: Batch) -> bool:
-        """The per-request predicates: its grammar is ready, its adapter resident. They do that
-        request's own work (build its matcher, copy its adapter into a slot); one that raises
-        fails that request alone, through `batch.failed`."""
+        """The per-request predicates: its grammar is ready, its cached prefix on the device
+        (loading it from the host tier meanwhile), its adapter resident. They do that request's
+        own work (build its matcher, copy its KV or its adapter); one that raises fails that
+        request alone, through `batch.failed`."""
         try:
-            return self.is_ready(req) and self.adapters.can_admit(req)
+            return self.is_ready(req) and self.cache.ready(req) and self.adapters.can_admit(req)
         except Exception as e:
             log.exception("request %s cannot start", req.request_id)
             batch.failed.append((req, f"could not start: {type(e).__name__}: {e}"))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.page_allocator import OutOfPagesError, PageAllocator
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import CopyStats, PrefixCache
 from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -56,10 +56,15 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.alloc = TrackingAllocator(POOL)
-        self.cache = PrefixCache(self.alloc, self.page_size, session_pages=SESSION_PAGES)
+        self.kv: dict[int, tuple[Hashable, tuple[int, ...]]] = {}  # page -> (namespace, tokens)
+        self.host = self.make_host()
+        self.cache = PrefixCache(self.alloc, self.page_size, session_pages=SESSION_PAGES,
+                                 host=self.host)
         self.sched = Scheduler(self.alloc, self.page_size, 4, self.budget, cache=self.cache)
         self.ids = itertools.count()
-        self.kv: dict[int, tuple[Hashable, tuple[int, ...]]] = {}  # page -> (namespace, tokens)
+
+    def make_host(self) -> HostContents | None:
+        return None
 
     @property
     def live(self) -> list[Request]:
@@ -161,9 +166,73 @@ class CacheMachinePage3(CacheMachine):
     budget = 16
 
 
+class HostContents:
+    """A host tier over the machine's page contents (the real copies are tested in
+    tests/test_kv_tiers.py): what a page's KV was computed for moves with it. A load is done
+    at the second `done` poll, so requests wait for it across a step."""
+
+    def __init__(self, kv: dict[int, tuple[Hashable, tuple[int, ...]]], num_pages: int):
+        self.kv, self.num_pages = kv, num_pages
+        self.host: dict[int, tuple[Hashable, tuple[int, ...]]] = {}
+
+    def offload(self, device_pages: list[int], host_pages: list[int]) -> None:
+        for d, h in zip(device_pages, host_pages, strict=True):
+            self.host[h] = self.kv[d]
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> list[int]:
+        for h, d in zip(host_pages, device_pages, strict=True):
+            self.kv[d] = self.host[h]
+        return [1]
+
+    def done(self, handle: list[int]) -> bool:
+        handle[0] -= 1
+        return handle[0] < 0
+
+    def copy_stats(self) -> CopyStats:
+        return CopyStats()
+
+
+class HostTierMachine(CacheMachine):
+    """The same traffic with evicted KV moving to a host tier and loaded back on a hit."""
+
+    host_pages = 16
+
+    def make_host(self) -> HostContents:
+        return HostContents(self.kv, self.host_pages)
+
+    @invariant()
+    def host_pages_have_one_owner_and_their_kv(self) -> None:
+        tree = list(self.cache.tree.iter_host_pages())
+        pages = [p for _, p in tree]
+        assert len(pages) == len(set(pages)), "a host page has two owners"
+        assert self.cache.host_allocator.num_used == len(pages), "a host page leaked"
+        assert self.host is not None
+        for ns, page in tree:
+            assert self.host.host[page][0] == ns, "a host page kept under another namespace"
+        for root in self.cache.tree._roots.values():  # device nodes form a subtree at the root
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                assert node.parent is None or node.pages or not any(
+                    c.pages for c in node.children.values()), "device KV below a host node"
+                stack.extend(node.children.values())
+
+    def teardown(self) -> None:
+        super().teardown()
+        assert self.cache.host_allocator.num_used == 0
+
+
+class HostTierMachinePage3(HostTierMachine):
+    page_size = 3
+    budget = 16
+    host_pages = 6  # full most of the time: host pages are evicted too
+
+
 TestCacheFuzz = CacheMachine.TestCase
 TestCacheFuzzPage3 = CacheMachinePage3.TestCase
-for _case in (TestCacheFuzz, TestCacheFuzzPage3):
+TestHostTierFuzz = HostTierMachine.TestCase
+TestHostTierFuzzPage3 = HostTierMachinePage3.TestCase
+for _case in (TestCacheFuzz, TestCacheFuzzPage3, TestHostTierFuzz, TestHostTierFuzzPage3):
     _case.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
                               database=None, suppress_health_check=[HealthCheck.too_slow])
 del _case

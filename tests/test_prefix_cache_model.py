@@ -86,7 +86,7 @@ def test_session_resumes_from_pinned_or_evicted_kv(engine, prompt):
     warm, cached = run(engine, turn2, session="S")
     assert cached >= len(prompt)
     engine.release_session("S")
-    freed = cache.tree.evict(engine.allocator.num_pages)  # everything, as a full pool would
+    freed = cache.tree.evict(engine.allocator.num_pages).device  # everything, as a full pool would
     engine.allocator.free(freed)
     assert cache.tree.cached_pages == 0
     assert run(engine, turn2, session="S") == (warm, 0)  # re-prefills, same tokens

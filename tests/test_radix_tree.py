@@ -106,10 +106,10 @@ def test_lock_prevents_eviction() -> None:
     m = tree.match(A, [1, 2, 3])
     tree.lock(m.last_node)
     assert (tree.protected_pages, tree.evictable_pages) == (3, 1)
-    assert tree.evict(10) == [5]
+    assert tree.evict(10).device == [5]
     assert tree.match(A, [1, 2, 3]).pages == [1, 2, 3]
     tree.unlock(m.last_node)
-    assert sorted(tree.evict(10)) == [1, 2, 3] and tree.cached_pages == 0
+    assert sorted(tree.evict(10).device) == [1, 2, 3] and tree.cached_pages == 0
     with pytest.raises(ValueError):
         tree.lock(m.last_node)  # evicted
     with pytest.raises(ValueError):
@@ -122,12 +122,12 @@ def test_lru_order_of_eviction() -> None:
     tree.insert(B, [0, 0, 2, 2], [3, 4])
     tree.insert(A, [0, 0, 3, 3, 3, 3], [1, 5, 6])
     tree.match(A, [0, 0, 1, 1])  # [1, 2] becomes the most recent
-    assert tree.evict(1) == [4]  # B's node is the oldest leaf: it loses its tail page
-    assert tree.evict(1) == [3]
-    assert tree.evict(1) == [6]  # then A's [5, 6], older than A's [2]
+    assert tree.evict(1).device == [4]  # B's node is the oldest leaf: it loses its tail page
+    assert tree.evict(1).device == [3]
+    assert tree.evict(1).device == [6]  # then A's [5, 6], older than A's [2]
     assert tree.match(A, [0, 0, 3, 3, 3, 3])[:2] == (4, [1, 5])
-    assert tree.evict(2) == [2, 5]  # the match above made [5] the newest
-    assert tree.evict(5) == [1] and tree.evicted_pages == 6
+    assert tree.evict(2).device == [2, 5]  # the match above made [5] the newest
+    assert tree.evict(5).device == [1] and tree.evicted_pages == 6
 
 
 def test_pinned_never_evicted() -> None:
@@ -136,13 +136,13 @@ def test_pinned_never_evicted() -> None:
     tree.pin(session)
     tree.insert(A, [1, 1, 2, 2, 3, 3], [1, 2, 3])
     tree.insert(B, [1, 1], [4])
-    assert sorted(tree.evict(10)) == [3, 4]
+    assert sorted(tree.evict(10).device) == [3, 4]
     assert tree.cached_pages == tree.protected_pages == 2
     tree.lock(session)
     with pytest.raises(RuntimeError):
         tree.reset()
     tree.unlock(session)
-    assert sorted(tree.reset()) == [1, 2] and tree.cached_pages == 0
+    assert sorted(tree.reset().device) == [1, 2] and tree.cached_pages == 0
     with pytest.raises(ValueError):
         tree.unpin(session)
 
@@ -199,7 +199,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     def do_evict(self, n: int) -> None:
         before = self.tree.evictable_pages
-        freed = self.tree.evict(n)
+        freed = self.tree.evict(n).device
         assert len(freed) == min(n, before)
         in_use = {p for r in self.reqs for p in r.table} | {p for _, ps in self.pins for p in ps}
         assert not set(freed) & in_use, "evicted a locked or pinned page"
@@ -308,7 +308,7 @@ class TreeMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.reqs)
     @rule()
     def reset(self) -> None:
-        self.release(self.tree.reset())
+        self.release(self.tree.reset().device)
         self.pins.clear()
         self.ref.clear()
 

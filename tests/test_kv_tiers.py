@@ -1,0 +1,154 @@
+"""The host KV tier on the real SmolLM2: KV evicted from the device pool moves to host memory
+and comes back on a hit, bit for bit, so outputs are the same whether a prefix came from the
+device, the host or nowhere; tenants never share; no page leaks on either tier."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kv_host import HostKVPool, _runs
+
+_ids = itertools.count()
+DEVICE_PAGES = 64  # 1,024 tokens at 16 a page: three of the prompts below do not fit together
+
+
+def run(engine, prompt, tenant="default", session=None, max_tokens=8):
+    """Run one request alone; returns (token ids, cached prompt tokens)."""
+    rid = f"kt-{next(_ids)}"
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.add_request(rid, prompt, params, tenant, session_id=session)
+    tokens, cached = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                cached = out.num_cached_tokens
+    return tokens, cached
+
+
+@pytest.fixture(scope="module")
+def tiered(smollm2_dir):
+    return LLM(model=str(smollm2_dir), max_num_seqs=8, num_pages=DEVICE_PAGES,
+               host_kv_pages=256).engine
+
+
+@pytest.fixture()
+def engine(tiered):
+    tiered.reset_prefix_cache()
+    yield tiered
+    check_owners(tiered)
+    tiered.reset_prefix_cache()
+    cache = tiered.prefix_cache
+    assert tiered.allocator.num_used == 0 and cache.host_allocator.num_used == 0
+
+
+def check_owners(engine) -> None:
+    """Every used page of either pool belongs to the tree, once."""
+    cache = engine.prefix_cache
+    host = [p for _, p in cache.tree.iter_host_pages()]
+    assert len(host) == len(set(host)) == cache.host_allocator.num_used
+    device = [p for _, p in cache.tree.iter_pages()]
+    assert len(device) == len(set(device)) == engine.allocator.num_used
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    tok = smollm2.tokenizer
+    return [tok.encode(f"Tool result {k}: " + ", ".join(
+        f"row {i} has value {(i * 7 + k) % 13}" for i in range(40))) for k in range(3)]
+
+
+def test_prefix_from_the_host_gives_the_same_tokens(engine, prompts):
+    prompt = prompts[0]
+    cold, _ = run(engine, prompt)
+    cache = engine.prefix_cache
+    assert cache.make_room(engine.allocator.num_pages)  # the whole pool: everything moves
+    assert cache.tree.cached_pages == 0 and cache.tree.host_pages >= len(prompt) // 16
+    before = cache.stats()
+    warm, cached = run(engine, prompt)
+    assert warm == cold
+    assert cached >= len(prompt) - 2 * engine.cfg.page_size
+    stats = cache.stats()
+    assert stats.host_hit_tokens - before.host_hit_tokens == cached
+    assert stats.loaded_pages - before.loaded_pages >= cached // 16
+    assert stats.copy.bytes_to_host > 0 and stats.copy.bytes_to_device > 0
+
+
+def test_more_sessions_than_the_device_holds(engine, prompts):
+    """Three sessions whose KV cannot share the device pool: each next turn still starts from
+    cached KV (from the host), with the tokens of a cold run."""
+    first = [run(engine, p, session=f"s{k}") for k, p in enumerate(prompts)]
+    assert engine.prefix_cache.tree.host_pages > 0  # the pool overflowed into the host
+    turns, replies = [], []
+    for k, (p, (reply, _)) in enumerate(zip(prompts, first, strict=True)):
+        turns.append(p + reply + engine.tokenizer.encode(" And the next row?"))
+        tokens, cached = run(engine, turns[-1], session=f"s{k}")
+        assert cached >= len(p)
+        replies.append(tokens)
+        check_owners(engine)
+    assert engine.prefix_cache.stats().host_hit_tokens > 0
+    for k in range(len(prompts)):
+        engine.release_session(f"s{k}")
+    for turn, tokens in zip(turns, replies, strict=True):
+        engine.reset_prefix_cache()
+        assert run(engine, turn) == (tokens, 0)  # the same tokens computed from scratch
+
+
+def test_host_pages_stay_in_their_namespace(engine, prompts):
+    run(engine, prompts[0], tenant="alpha")
+    cache = engine.prefix_cache
+    cache.make_room(engine.allocator.num_pages)
+    host_hits = cache.stats().host_hit_tokens  # totals since start-up
+    assert run(engine, prompts[0], tenant="beta")[1] == 0
+    assert cache.stats().host_hit_tokens == host_hits
+    assert run(engine, prompts[0], tenant="alpha")[1] > 0
+    assert cache.stats().host_hit_tokens > host_hits
+    for ns, _ in engine.prefix_cache.tree.iter_host_pages():
+        assert ns[0] == "alpha"
+
+
+def test_full_host_tier_evicts_its_lru(smollm2_dir, prompts):
+    """A host tier smaller than what is evicted keeps the most recent KV and drops the rest;
+    what it drops is recomputed, with the same tokens."""
+    engine = LLM(model=str(smollm2_dir), max_num_seqs=4, num_pages=DEVICE_PAGES,
+                 host_kv_pages=24).engine
+    cold = [run(engine, p)[0] for p in prompts]
+    cache = engine.prefix_cache
+    assert cache.tree.host_pages <= 24 and cache.host_allocator.num_used == cache.tree.host_pages
+    for p, tokens in zip(prompts, cold, strict=True):
+        assert run(engine, p)[0] == tokens
+        check_owners(engine)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_copies_are_exact(dtype):
+    """Pages offloaded and loaded into other device pages hold the same bits, over chunk
+    boundaries and runs of host pages that are and are not consecutive."""
+    torch.manual_seed(0)
+    ps, layers, pages = 4, 3, 80
+    kv = [(torch.randn((pages + 1) * ps, 2, 8, dtype=dtype),
+           torch.randn((pages + 1) * ps, 2, 8, dtype=dtype)) for _ in range(layers)]
+    pool = HostKVPool(kv, 90, ps)
+    src = list(range(0, 70))
+    host = list(range(5, 40)) + list(range(50, 85))[::-1]
+    before = [(k.clone(), v.clone()) for k, v in kv]
+    pool.offload(src, host)
+    for k, v in kv:
+        k.zero_(), v.zero_()
+    dst = list(range(79, 9, -1))
+    assert pool.done(pool.load(host, dst))
+    for (k, v), (k0, v0) in zip(kv, before, strict=True):
+        kp, k0p = k.view(-1, ps, 2, 8), k0.view(-1, ps, 2, 8)
+        vp, v0p = v.view(-1, ps, 2, 8), v0.view(-1, ps, 2, 8)
+        assert torch.equal(kp[dst], k0p[src]) and torch.equal(vp[dst], v0p[src])
+    stats = pool.copy_stats()
+    assert stats.bytes_to_host == stats.bytes_to_device == 70 * pool.page_bytes
+
+
+def test_runs():
+    assert _runs([]) == []
+    assert _runs([3, 4, 5, 9, 1, 2]) == [(3, 0, 3), (9, 3, 1), (1, 4, 2)]
