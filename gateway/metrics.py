@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.prefix_cache import PrefixCacheStats
 from engine.protocols import EngineStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -115,8 +116,39 @@ class _PrefixCacheCollector:
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("switchboard_prefix_cache_pages", "KV pages the prefix cache holds",
                                 value=p.cached_pages)
+        yield from _kv_tier_metrics(p)
         yield GaugeMetricFamily("switchboard_session_pinned_pages",
                                 "KV pages sessions keep pinned between turns", value=p.pinned_pages)
+
+
+def _kv_tier_metrics(p: PrefixCacheStats) -> Iterator[Metric]:
+    """Per tier (device, host): prompt tokens served, pages held; per direction: bytes copied
+    between the tiers and the seconds the copies took (bandwidth: their ratio)."""
+    hits = CounterMetricFamily("switchboard_kv_tier_hit_tokens",
+                               "Prompt tokens served from cached KV, by the tier it was on",
+                               labels=["tier"])
+    hits.add_metric(["device"], p.hit_tokens - p.host_hit_tokens)
+    hits.add_metric(["host"], p.host_hit_tokens)
+    yield hits
+    pages = GaugeMetricFamily("switchboard_kv_tier_pages", "KV pages the prefix cache holds, "
+                              "by tier (a page may have a copy on both)", labels=["tier"])
+    pages.add_metric(["device"], p.cached_pages)
+    pages.add_metric(["host"], p.host_pages)
+    yield pages
+    yield GaugeMetricFamily("switchboard_kv_tier_host_pages_total",
+                            "The host tier's size in pages (0: no host tier)",
+                            value=p.host_pages_total)
+    moved = CounterMetricFamily("switchboard_kv_tier_copy_bytes",
+                                "Bytes of KV copied between the tiers", labels=["direction"])
+    took = CounterMetricFamily("switchboard_kv_tier_copy_seconds",
+                               "Time the KV copies between the tiers took", labels=["direction"])
+    c = p.copy
+    for direction, nbytes, seconds in [("to_host", c.bytes_to_host, c.seconds_to_host),
+                                       ("to_device", c.bytes_to_device, c.seconds_to_device)]:
+        moved.add_metric([direction], nbytes)
+        took.add_metric([direction], seconds)
+    yield moved
+    yield took
 
 
 class RequestCounter:

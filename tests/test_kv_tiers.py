@@ -152,3 +152,48 @@ def test_pool_copies_are_exact(dtype):
 def test_runs():
     assert _runs([]) == []
     assert _runs([3, 4, 5, 9, 1, 2]) == [(3, 0, 3), (9, 3, 1), (1, 4, 2)]
+
+
+# -- over HTTP: sessions beyond the device pool, with the openai SDK ------------------------
+
+
+@pytest.fixture(scope="module")
+def tier_server(tmp_path_factory):
+    from tests.conftest import serve
+
+    with serve(tmp_path_factory.mktemp("kv-tiers"), "--kv-pages", "48",
+               "--host-kv-pages", "256") as server:
+        yield server
+
+
+def test_sessions_resume_from_the_host_tier_over_http(tier_server):
+    import httpx
+    from openai import OpenAI
+
+    srv = tier_server
+    client = OpenAI(base_url=srv.base_url, api_key=srv.api_key)
+    http = httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {srv.api_key}"},
+                        timeout=60)
+    greedy = {"max_tokens": 8, "temperature": 0}
+    sids = []
+    for k in range(3):  # each history ~ 400 tokens: three do not fit 48 pages of 16
+        rows = ", ".join(f"row {i} has value {(i * 7 + k) % 13}" for i in range(45))
+        r = http.post("/v1/sessions", json={"model": srv.model, "messages": [
+            {"role": "system", "content": f"Tool result {k}: {rows}"}]})
+        assert r.status_code == 200, r.text
+        sids.append(r.json()["id"])
+    first = [client.chat.completions.create(
+        model=srv.model, messages=[{"role": "user", "content": "Which row is largest?"}],
+        extra_body={"session_id": sid}, **greedy) for sid in sids]
+    before = srv.metrics()
+    assert before['switchboard_kv_tier_pages{tier="host"}'] > 0
+    for sid, r1 in zip(sids, first, strict=True):
+        r2 = client.chat.completions.create(
+            model=srv.model, messages=[{"role": "user", "content": "And the smallest?"}],
+            extra_body={"session_id": sid}, **greedy)
+        assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 16
+    after = srv.metrics()
+    host_hits = 'switchboard_kv_tier_hit_tokens_total{tier="host"}'
+    assert after[host_hits] > before[host_hits]
+    assert after['switchboard_kv_tier_copy_bytes_total{direction="to_device"}'] > 0
+    assert after["switchboard_kv_tier_host_pages_total"] == 256
