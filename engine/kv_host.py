@@ -4,18 +4,23 @@ Layout. Page-major, `(num_pages, num_layers, 2, page_size, kv_heads, head_dim)`:
 holds one device page's K and V of every layer in one block, so moving pages is one copy per
 run of consecutive host pages, whatever the layer count. On the device a page is `page_size`
 rows of each layer's K and V (engine/model_runner.py); copies gather or scatter those through
-a device staging buffer of at most `CHUNK_PAGES` pages.
+staging buffers of `CHUNK_PAGES` pages.
 
-Ordering on CUDA (the pool is pinned; no copy makes the host wait):
-- `offload` runs on the compute stream: behind the forwards queued before it, ahead of any
-  queued after it that reuses its device pages.
-- `load` runs on its own copy stream, overlapped with the forwards queued after it. It starts
-  once the compute stream's queued work is done (an offload there may still be writing the
-  host pages it reads, or reading the device pages it writes) and records an event: the
-  request it loads for waits for that event (`done`), not the batch.
-- `fence` makes the next forward, or offload, wait for every load queued so far. That wait
-  is free for the loads whose requests were waiting for them anyway; it matters only when a
-  load's device pages change hands before it is done (its request was aborted).
+Streams on CUDA (the pool is pinned; no copy makes the host wait). Every host<->device
+transfer runs on one copy stream, so transfers touching the same host pages run in the order
+they were queued. Two staging buffers each way let chunk i+1's transfer overlap chunk i's
+gather or scatter kernels.
+- `offload` gathers each chunk on the compute stream (behind the forwards queued before it,
+  ahead of any queued after it that reuses its device pages), and the copy stream sends it
+  to the host; the compute stream waits only for a staging buffer to come free.
+- `load` starts once the compute stream's queued work is done (it may still be reading the
+  device pages the load writes): the copy stream brings each chunk up, a scatter stream
+  writes it into the KV pool, and an event says when all is done. The request it loads for
+  waits for that event (`done`), not the batch.
+- `fence` makes the next forward wait for every load queued so far: free for the loads whose
+  requests waited for them anyway; it matters only when a load's device pages change hands
+  before it is done (its request was aborted). An offload never reads such pages: a loaded
+  node keeps its host copy, so evicting it copies nothing.
 On a CPU the pool is a second tensor in memory and every copy is done when it returns.
 """
 
@@ -28,7 +33,7 @@ import torch
 from engine.prefix_cache import CopyStats
 from kernels.upload import upload
 
-CHUNK_PAGES = 64  # staging pages per copy (Llama-3-8B bf16: 2 MiB a page)
+CHUNK_PAGES = 32  # pages per staging buffer (Llama-3-8B bf16: 2 MiB a page)
 
 
 class HostKVPool:
@@ -45,59 +50,92 @@ class HostKVPool:
         self.kv = [(k.view(-1, page_size, *k.shape[1:]), v.view(-1, page_size, *v.shape[1:]))
                    for k, v in kv_caches]
         self.page_shape = (len(kv_caches), 2, page_size, *k0.shape[1:])
-        cuda = self.device.type == "cuda"
+        self.cuda = self.device.type == "cuda"
         # (num_pages, num_layers, 2, page_size, kv_heads, head_dim)
-        self.pool = torch.empty((num_pages, *self.page_shape), dtype=k0.dtype, pin_memory=cuda)
+        self.pool = torch.empty((num_pages, *self.page_shape), dtype=k0.dtype,
+                                pin_memory=self.cuda)
         self.page_bytes = self.pool[0].numel() * self.pool.element_size()
-        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._unfenced: list[torch.cuda.Event] = []  # loads no forward has waited for yet
         # (to_host, bytes, start, end) events of CUDA copies not yet added to the totals
         self._timing: list[tuple[bool, int, torch.cuda.Event, torch.cuda.Event]] = []
         self._bytes = {True: 0, False: 0}  # to_host -> bytes copied
         self._seconds = {True: 0.0, False: 0.0}
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.scatter_stream = torch.cuda.Stream(self.device)
+            self._staging = {to_host: [_Buffer(self, CHUNK_PAGES) for _ in range(2)]
+                             for to_host in (True, False)}
 
     @torch.inference_mode()
     def offload(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy device pages to host pages (queued behind the device's work)."""
-        self.fence()
-        with self._timed(to_host=True, num_pages=len(device_pages)):
-            for i in range(0, len(device_pages), CHUNK_PAGES):
-                dev, host = device_pages[i : i + CHUNK_PAGES], host_pages[i : i + CHUNK_PAGES]
-                (idx,) = upload([dev], torch.long, self.device)
-                staging = torch.empty((len(dev), *self.page_shape), dtype=self.pool.dtype,
-                                      device=self.device)  # (n, layers, 2, page_size, H, D)
-                for layer, (k, v) in enumerate(self.kv):
-                    staging[:, layer, 0] = k[idx]
-                    staging[:, layer, 1] = v[idx]
-                for h, s, m in _runs(host):
-                    self.pool[h : h + m].copy_(staging[s : s + m], non_blocking=True)
+        if not self.cuda:
+            with self._timed(True, len(device_pages)):
+                for dev, host in _chunks(device_pages, host_pages):
+                    staging = torch.empty((len(dev), *self.page_shape), dtype=self.pool.dtype)
+                    self._gather(dev, staging)
+                    self._to_host(staging, host)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        start = _record(compute)
+        for i, (dev, host) in enumerate(_chunks(device_pages, host_pages)):
+            buf = self._staging[True][i % 2]
+            compute.wait_event(buf.free)
+            self._gather(dev, buf.data[: len(dev)])
+            self.copy_stream.wait_event(_record(compute))
+            with torch.cuda.stream(self.copy_stream):
+                self._to_host(buf.data[: len(dev)], host)
+                buf.free.record(self.copy_stream)
+        self._timing.append((True, len(device_pages) * self.page_bytes, start,
+                             _record(self.copy_stream)))
 
     @torch.inference_mode()
     def load(self, host_pages: list[int], device_pages: list[int]) -> torch.cuda.Event | None:
         """Start copying host pages into device pages; returns what `done` takes."""
-        if self.copy_stream is None:
-            self._load(host_pages, device_pages)
+        if not self.cuda:
+            with self._timed(False, len(device_pages)):
+                for dev, host in _chunks(device_pages, host_pages):
+                    staging = torch.empty((len(dev), *self.page_shape), dtype=self.pool.dtype)
+                    self._from_host(host, staging)
+                    self._scatter(staging, dev)
             return None
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            self._load(host_pages, device_pages)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        self._unfenced.append(event)
-        return event
+        compute = torch.cuda.current_stream(self.device)
+        self.scatter_stream.wait_stream(compute)
+        start = _record(self.copy_stream)
+        for i, (dev, host) in enumerate(_chunks(device_pages, host_pages)):
+            buf = self._staging[False][i % 2]
+            self.copy_stream.wait_event(buf.free)
+            with torch.cuda.stream(self.copy_stream):
+                self._from_host(host, buf.data[: len(dev)])
+            self.scatter_stream.wait_event(_record(self.copy_stream))
+            with torch.cuda.stream(self.scatter_stream):
+                self._scatter(buf.data[: len(dev)], dev)
+                buf.free.record(self.scatter_stream)
+        done = _record(self.scatter_stream, timing=True)
+        self._timing.append((False, len(device_pages) * self.page_bytes, start, done))
+        self._unfenced.append(done)
+        return done
 
-    def _load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        with self._timed(to_host=False, num_pages=len(device_pages)):
-            for i in range(0, len(device_pages), CHUNK_PAGES):
-                dev, host = device_pages[i : i + CHUNK_PAGES], host_pages[i : i + CHUNK_PAGES]
-                staging = torch.empty((len(dev), *self.page_shape), dtype=self.pool.dtype,
-                                      device=self.device)
-                for h, s, m in _runs(host):
-                    staging[s : s + m].copy_(self.pool[h : h + m], non_blocking=True)
-                (idx,) = upload([dev], torch.long, self.device)
-                for layer, (k, v) in enumerate(self.kv):
-                    k.index_copy_(0, idx, staging[:, layer, 0])
-                    v.index_copy_(0, idx, staging[:, layer, 1])
+    def _gather(self, device_pages: list[int], out: torch.Tensor) -> None:
+        """`out[i]` (layers, 2, page_size, H, D) <- device page `device_pages[i]`."""
+        (idx,) = upload([device_pages], torch.long, self.device)
+        for layer, (k, v) in enumerate(self.kv):
+            out[:, layer, 0] = k[idx]
+            out[:, layer, 1] = v[idx]
+
+    def _scatter(self, src: torch.Tensor, device_pages: list[int]) -> None:
+        (idx,) = upload([device_pages], torch.long, self.device)
+        for layer, (k, v) in enumerate(self.kv):
+            k.index_copy_(0, idx, src[:, layer, 0])
+            v.index_copy_(0, idx, src[:, layer, 1])
+
+    def _to_host(self, staging: torch.Tensor, host_pages: list[int]) -> None:
+        for h, s, m in _runs(host_pages):
+            self.pool[h : h + m].copy_(staging[s : s + m], non_blocking=True)
+
+    def _from_host(self, host_pages: list[int], staging: torch.Tensor) -> None:
+        for h, s, m in _runs(host_pages):
+            staging[s : s + m].copy_(self.pool[h : h + m], non_blocking=True)
 
     @staticmethod
     def done(handle: torch.cuda.Event | None) -> bool:
@@ -112,8 +150,8 @@ class HostKVPool:
             self._unfenced.clear()
 
     def copy_stats(self) -> CopyStats:
-        """Bytes copied each way and the seconds the copies took (on CUDA: device time of the
-        copies done by now)."""
+        """Bytes copied each way and the seconds the copies took (on CUDA: from the copy's
+        first queued work starting to its last finishing, for the copies done by now)."""
         pending = []
         for to_host, nbytes, start, end in self._timing:
             if end.query():
@@ -129,29 +167,39 @@ class HostKVPool:
         return _Timer(self, to_host, num_pages * self.page_bytes)
 
 
+class _Buffer:
+    """A staging buffer on the device and the event after which it may be written again."""
+
+    def __init__(self, pool: HostKVPool, num_pages: int):
+        self.data = torch.empty((num_pages, *pool.page_shape), dtype=pool.pool.dtype,
+                                device=pool.device)
+        self.free = torch.cuda.Event()
+        self.free.record()  # free from the start
+
+
+def _record(stream: torch.cuda.Stream, timing: bool = True) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=timing)
+    event.record(stream)
+    return event
+
+
+def _chunks(device_pages: list[int], host_pages: list[int]):
+    for i in range(0, len(device_pages), CHUNK_PAGES):
+        yield device_pages[i : i + CHUNK_PAGES], host_pages[i : i + CHUNK_PAGES]
+
+
 class _Timer:
-    """Times one copy: CUDA events on the current stream, or the wall clock on a CPU."""
+    """Times one copy on a CPU (CUDA copies are timed with events)."""
 
     def __init__(self, pool: HostKVPool, to_host: bool, nbytes: int):
         self.pool, self.to_host, self.nbytes = pool, to_host, nbytes
-        self.cuda = pool.device.type == "cuda"
 
     def __enter__(self) -> None:
-        if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        pool = self.pool
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            pool._timing.append((self.to_host, self.nbytes, self.start, end))
-        else:
-            pool._bytes[self.to_host] += self.nbytes
-            pool._seconds[self.to_host] += time.perf_counter() - self.t0
+        self.pool._bytes[self.to_host] += self.nbytes
+        self.pool._seconds[self.to_host] += time.perf_counter() - self.t0
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:

@@ -126,21 +126,34 @@ def test_full_host_tier_evicts_its_lru(smollm2_dir, prompts):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pool_copies_are_exact(dtype):
+    check_pool_copies("cpu", dtype)
+
+
+@pytest.mark.gpu
+def test_pool_copies_are_exact_on_cuda():
+    check_pool_copies("cuda", torch.bfloat16)
+
+
+def check_pool_copies(device: str, dtype: torch.dtype) -> None:
     """Pages offloaded and loaded into other device pages hold the same bits, over chunk
     boundaries and runs of host pages that are and are not consecutive."""
     torch.manual_seed(0)
     ps, layers, pages = 4, 3, 80
-    kv = [(torch.randn((pages + 1) * ps, 2, 8, dtype=dtype),
-           torch.randn((pages + 1) * ps, 2, 8, dtype=dtype)) for _ in range(layers)]
+    kv = [(torch.randn((pages + 1) * ps, 2, 8, dtype=dtype, device=device),
+           torch.randn((pages + 1) * ps, 2, 8, dtype=dtype, device=device))
+          for _ in range(layers)]
     pool = HostKVPool(kv, 90, ps)
     src = list(range(0, 70))
     host = list(range(5, 40)) + list(range(50, 85))[::-1]
     before = [(k.clone(), v.clone()) for k, v in kv]
     pool.offload(src, host)
-    for k, v in kv:
+    for k, v in kv:  # the offload is queued before these writes: it reads the old pages
         k.zero_(), v.zero_()
     dst = list(range(79, 9, -1))
-    assert pool.done(pool.load(host, dst))
+    handle = pool.load(host, dst)
+    while not pool.done(handle):
+        pass
+    pool.fence()
     for (k, v), (k0, v0) in zip(kv, before, strict=True):
         kp, k0p = k.view(-1, ps, 2, 8), k0.view(-1, ps, 2, 8)
         vp, v0p = v.view(-1, ps, 2, 8), v0.view(-1, ps, 2, 8)

@@ -1,0 +1,136 @@
+"""The host KV tier on a GPU: a session turn whose history was evicted to host memory vs the
+same session's turns with the history cached on the device, and the tier's copy bandwidth vs
+plain pinned copies measured in the same process.
+
+    python3 benchmarks/gpu_kv_tiers.py [--model synthetic:llama3-8b] [--out FILE]
+        [--update benchmarks/results/h100.json]
+
+For each of 4 sessions (the first a warm-up): a cold first turn (4,096 + 64 tokens), a cached
+second turn, then the session is unpinned and every device page evicted (its KV is on the
+host already: sessions are written through), a third turn loads it back, and a fourth turn is
+cached again. `session_ttft_host_tier_vs_cached_4k` = median TTFT of the third turns ÷ median
+of the second and fourth; `host_load_bw_fraction` = the tier's host->device bytes ÷ its copy
+time ÷ the pinned host->device bandwidth; likewise `host_offload_bw_fraction`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from gpu_common import greedy, random_prompts
+
+from engine import LLM
+
+
+def pinned_bandwidth(gib: float = 1.0, reps: int = 10) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s of one pinned buffer copy, medians."""
+    host = torch.empty(int(gib * 2**30), dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    out = []
+    for dst, src in ((dev, host), (host, dev)):
+        times = []
+        for _ in range(reps + 2):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out.append(host.numel() / statistics.median(times[2:]))
+    return out[0], out[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="synthetic:llama3-8b")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--update", type=Path, help="a suite JSON whose top-level figures to update")
+    ap.add_argument("--history", type=int, default=4096)
+    ap.add_argument("--turn", type=int, default=64)
+    args = ap.parse_args()
+
+    llm = LLM(args.model, dtype="bfloat16", device="cuda", max_num_seqs=16,
+              max_num_batched_tokens=8192, num_pages=3000, host_kv_gb=16)
+    eng = llm.engine
+    h2d, d2h = pinned_bandwidth()
+    vocab = eng.model_config.vocab_size
+
+    def ttft(rid: str, prompt: list[int], session: str) -> tuple[float, int, int]:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.add_request(rid, prompt, greedy(1), session_id=session)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.request_id == rid and o.new_token_ids:
+                    dt = time.perf_counter() - t
+                    while eng.has_unfinished_requests():
+                        eng.step()
+                    return dt, o.new_token_ids[0], o.num_cached_tokens
+        raise RuntimeError(f"request {rid} finished without a token")
+
+    cold, cached, host, hits = [], [], [], []
+    cache = eng.prefix_cache
+    for k in range(4):
+        hist, t1, t2, t3, t4 = random_prompts(5, [args.history] + [args.turn] * 4,
+                                              seed=200 + k, vocab=vocab)
+        sess = f"sess-{k}"
+        c, tok1, _ = ttft(f"c{k}", hist + t1, sess)
+        turn2 = hist + t1 + [tok1] + t2
+        w2, tok2, _ = ttft(f"w{k}", turn2, sess)
+        eng.release_session(sess)
+        assert cache.make_room(eng.allocator.num_pages)  # the whole device pool: all moves
+        assert cache.tree.cached_pages == 0
+        before = cache.stats()
+        turn3 = turn2 + [tok2] + t3
+        h, tok3, hit = ttft(f"h{k}", turn3, sess)
+        after = cache.stats()
+        w4, _, _ = ttft(f"w4{k}", turn3 + [tok3] + t4, sess)
+        eng.release_session(sess)
+        if not k:  # the warm-up's copies include first-launch costs
+            torch.cuda.synchronize()
+            warm_copy = cache.stats().copy
+        if k:
+            cold.append(c)
+            cached += [w2, w4]
+            host.append(h)
+            hits.append((hit, after.host_hit_tokens - before.host_hit_tokens))
+    torch.cuda.synchronize()
+    copy = cache.stats().copy
+    load_bw = ((copy.bytes_to_device - warm_copy.bytes_to_device)
+               / (copy.seconds_to_device - warm_copy.seconds_to_device))
+    offload_bw = ((copy.bytes_to_host - warm_copy.bytes_to_host)
+                  / (copy.seconds_to_host - warm_copy.seconds_to_host))
+    c, w, h = statistics.median(cold), statistics.median(cached), statistics.median(host)
+    figures = {
+        "session_ttft_host_tier_vs_cached_4k": round(h / w, 3),
+        "host_load_bw_fraction": round(load_bw / h2d, 3),
+        "host_offload_bw_fraction": round(offload_bw / d2h, 3),
+    }
+    result = {
+        **figures,
+        "device": torch.cuda.get_device_name(),
+        "cold_ttft_ms": round(c * 1e3, 2), "cached_ttft_ms": round(w * 1e3, 2),
+        "host_tier_ttft_ms": round(h * 1e3, 2), "cold_vs_cached": round(c / w, 2),
+        "pinned_h2d_gb_s": round(h2d / 1e9, 1), "pinned_d2h_gb_s": round(d2h / 1e9, 1),
+        "tier_load_gb_s": round(load_bw / 1e9, 1), "tier_offload_gb_s": round(offload_bw / 1e9, 1),
+        "host_turn_cached_tokens_and_host_hits": hits,
+        "all_ms": {"cold": [round(x * 1e3, 2) for x in cold],
+                   "cached": [round(x * 1e3, 2) for x in cached],
+                   "host": [round(x * 1e3, 2) for x in host]},
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    if args.update and args.update.exists():
+        suite = json.loads(args.update.read_text())
+        suite.update(figures)
+        suite.setdefault("sections", {})["kv_tiers"] = {"status": "ok", "result": result}
+        args.update.write_text(json.dumps(suite, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
