@@ -2,8 +2,10 @@
 same session's turns with the history cached on the device, and the tier's copy bandwidth vs
 plain pinned copies measured in the same process.
 
-    python3 benchmarks/gpu_kv_tiers.py [--model synthetic:llama3-8b] [--out FILE]
-        [--update benchmarks/results/h100.json]
+    python3 benchmarks/gpu_kv_tiers.py --out SECTIONS.jsonl [--model synthetic:llama3-8b]
+
+A worker of benchmarks/gpu_suite.py (its part `kv_tiers`): one section, `kv_tiers`, appended
+to --out as a JSON line.
 
 For each of 4 sessions (the first a warm-up): a cold first turn (4,096 + 64 tokens), a cached
 second turn, then the session is unpinned and every device page evicted (its KV is on the
@@ -16,15 +18,15 @@ time ÷ the pinned host->device bandwidth; likewise `host_offload_bw_fraction`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from gpu_common import greedy, random_prompts
+from gpu_common import Recorder, greedy, random_prompts
 
 from engine import LLM
+from engine.kv_host import HostKVPool
 
 
 def pinned_bandwidth(gib: float = 1.0, reps: int = 10) -> tuple[float, float]:
@@ -45,19 +47,47 @@ def pinned_bandwidth(gib: float = 1.0, reps: int = 10) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def pool_bandwidth(eng, chunk: int, num_pages: int = 256, reps: int = 5) -> dict[str, float]:
+    """GB/s of a host pool's offload and load of `num_pages` consecutive pages through
+    `chunk`-page staging buffers, alone (wall clock around a synchronized copy, median)."""
+    pool = HostKVPool(eng.runner.kv_pool, num_pages, eng.cfg.page_size, chunk)
+    pages = list(range(num_pages))
+    out = {}
+    for name, fn in (("offload", lambda: pool.offload(pages, pages)),
+                     ("load", lambda: pool.load(pages, pages))):
+        times = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[f"{name}_gb_s"] = round(num_pages * pool.page_bytes / statistics.median(times[1:])
+                                    / 1e9, 1)
+    pool.fence()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="synthetic:llama3-8b")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--update", type=Path, help="a suite JSON whose top-level figures to update")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds for the whole worker")
+    ap.add_argument("--adapter-dir", type=Path, help="unused (the suite passes it to workers)")
     ap.add_argument("--history", type=int, default=4096)
     ap.add_argument("--turn", type=int, default=64)
     args = ap.parse_args()
+    with Recorder(args.out, args.budget).section("kv_tiers", args.budget) as s:
+        s.result.update(measure(args.model, args.history, args.turn))
 
-    llm = LLM(args.model, dtype="bfloat16", device="cuda", max_num_seqs=16,
+
+def measure(model: str, history: int, turn: int) -> dict:
+    llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=16,
               max_num_batched_tokens=8192, num_pages=3000, host_kv_gb=16)
     eng = llm.engine
     h2d, d2h = pinned_bandwidth()
+    # Before any request: the device pages these write hold nothing yet.
+    alone = {chunk: pool_bandwidth(eng, chunk) for chunk in (8, 32, 128)}
     vocab = eng.model_config.vocab_size
 
     def ttft(rid: str, prompt: list[int], session: str) -> tuple[float, int, int]:
@@ -76,8 +106,8 @@ def main() -> None:
     cold, cached, host, hits = [], [], [], []
     cache = eng.prefix_cache
     for k in range(4):
-        hist, t1, t2, t3, t4 = random_prompts(5, [args.history] + [args.turn] * 4,
-                                              seed=200 + k, vocab=vocab)
+        hist, t1, t2, t3, t4 = random_prompts(5, [history] + [turn] * 4, seed=200 + k,
+                                              vocab=vocab)
         sess = f"sess-{k}"
         c, tok1, _ = ttft(f"c{k}", hist + t1, sess)
         turn2 = hist + t1 + [tok1] + t2
@@ -106,30 +136,21 @@ def main() -> None:
     offload_bw = ((copy.bytes_to_host - warm_copy.bytes_to_host)
                   / (copy.seconds_to_host - warm_copy.seconds_to_host))
     c, w, h = statistics.median(cold), statistics.median(cached), statistics.median(host)
-    figures = {
+    return {
         "session_ttft_host_tier_vs_cached_4k": round(h / w, 3),
         "host_load_bw_fraction": round(load_bw / h2d, 3),
         "host_offload_bw_fraction": round(offload_bw / d2h, 3),
-    }
-    result = {
-        **figures,
         "device": torch.cuda.get_device_name(),
         "cold_ttft_ms": round(c * 1e3, 2), "cached_ttft_ms": round(w * 1e3, 2),
         "host_tier_ttft_ms": round(h * 1e3, 2), "cold_vs_cached": round(c / w, 2),
         "pinned_h2d_gb_s": round(h2d / 1e9, 1), "pinned_d2h_gb_s": round(d2h / 1e9, 1),
         "tier_load_gb_s": round(load_bw / 1e9, 1), "tier_offload_gb_s": round(offload_bw / 1e9, 1),
+        "pool_alone": alone,
         "host_turn_cached_tokens_and_host_hits": hits,
         "all_ms": {"cold": [round(x * 1e3, 2) for x in cold],
                    "cached": [round(x * 1e3, 2) for x in cached],
                    "host": [round(x * 1e3, 2) for x in host]},
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    if args.update and args.update.exists():
-        suite = json.loads(args.update.read_text())
-        suite.update(figures)
-        suite.setdefault("sections", {})["kv_tiers"] = {"status": "ok", "result": result}
-        args.update.write_text(json.dumps(suite, indent=2) + "\n")
 
 
 if __name__ == "__main__":

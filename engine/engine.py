@@ -79,7 +79,7 @@ class LLMEngine:
         )
         host_kv = None
         if cfg.host_kv_pages and cfg.prefix_cache:
-            host_kv = self.runner.host_kv = HostKVPool(self.runner.kv_caches, cfg.host_kv_pages,
+            host_kv = self.runner.host_kv = HostKVPool(self.runner.kv_pool, cfg.host_kv_pages,
                                                        cfg.page_size)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
                                         cfg.session_kv_pages, host_kv)

@@ -37,22 +37,23 @@ CHUNK_PAGES = 32  # pages per staging buffer (Llama-3-8B bf16: 2 MiB a page)
 
 
 class HostKVPool:
-    """`num_pages` host pages for the KV of `kv_caches` (per layer (K, V), each
-    `((num_device_pages + 1) * page_size, kv_heads, head_dim)`); implements `HostKV`."""
+    """`num_pages` host pages for the KV of `kv_pool`, the device pool of every layer's K and
+    V, `(num_layers, 2, (num_device_pages + 1) * page_size, kv_heads, head_dim)`; implements
+    `HostKV`."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_pages: int,
-                 page_size: int):
-        k0 = kv_caches[0][0]
-        self.device = k0.device
+    def __init__(self, kv_pool: torch.Tensor, num_pages: int, page_size: int,
+                 chunk_pages: int = CHUNK_PAGES):
+        layers, _, rows, heads, dim = kv_pool.shape
+        self.device = kv_pool.device
         self.num_pages = num_pages
         self.page_size = page_size
-        # (num_device_pages + 1, page_size, kv_heads, head_dim) views of every layer's K and V
-        self.kv = [(k.view(-1, page_size, *k.shape[1:]), v.view(-1, page_size, *v.shape[1:]))
-                   for k, v in kv_caches]
-        self.page_shape = (len(kv_caches), 2, page_size, *k0.shape[1:])
+        self.chunk = chunk_pages
+        # (num_layers, 2, num_device_pages + 1, page_size, kv_heads, head_dim)
+        self.kv = kv_pool.view(layers, 2, rows // page_size, page_size, heads, dim)
+        self.page_shape = (layers, 2, page_size, heads, dim)
         self.cuda = self.device.type == "cuda"
         # (num_pages, num_layers, 2, page_size, kv_heads, head_dim)
-        self.pool = torch.empty((num_pages, *self.page_shape), dtype=k0.dtype,
+        self.pool = torch.empty((num_pages, *self.page_shape), dtype=kv_pool.dtype,
                                 pin_memory=self.cuda)
         self.page_bytes = self.pool[0].numel() * self.pool.element_size()
         self._unfenced: list[torch.cuda.Event] = []  # loads no forward has waited for yet
@@ -63,7 +64,7 @@ class HostKVPool:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.scatter_stream = torch.cuda.Stream(self.device)
-            self._staging = {to_host: [_Buffer(self, CHUNK_PAGES) for _ in range(2)]
+            self._staging = {to_host: [_Buffer(self, chunk_pages) for _ in range(2)]
                              for to_host in (True, False)}
 
     @torch.inference_mode()
@@ -71,17 +72,18 @@ class HostKVPool:
         """Copy device pages to host pages (queued behind the device's work)."""
         if not self.cuda:
             with self._timed(True, len(device_pages)):
-                for dev, host in _chunks(device_pages, host_pages):
+                for dev, host in _chunks(device_pages, host_pages, self.chunk):
                     staging = torch.empty((len(dev), *self.page_shape), dtype=self.pool.dtype)
-                    self._gather(dev, staging)
+                    self._gather(torch.tensor(dev), staging)
                     self._to_host(staging, host)
             return
         compute = torch.cuda.current_stream(self.device)
         start = _record(compute)
-        for i, (dev, host) in enumerate(_chunks(device_pages, host_pages)):
+        (idx,) = upload([device_pages], torch.long, self.device)
+        for i, (dev, host) in enumerate(_chunks(device_pages, host_pages, self.chunk)):
             buf = self._staging[True][i % 2]
             compute.wait_event(buf.free)
-            self._gather(dev, buf.data[: len(dev)])
+            self._gather(idx[i * self.chunk : i * self.chunk + len(dev)], buf.data[: len(dev)])
             self.copy_stream.wait_event(_record(compute))
             with torch.cuda.stream(self.copy_stream):
                 self._to_host(buf.data[: len(dev)], host)
@@ -94,40 +96,39 @@ class HostKVPool:
         """Start copying host pages into device pages; returns what `done` takes."""
         if not self.cuda:
             with self._timed(False, len(device_pages)):
-                for dev, host in _chunks(device_pages, host_pages):
+                for dev, host in _chunks(device_pages, host_pages, self.chunk):
                     staging = torch.empty((len(dev), *self.page_shape), dtype=self.pool.dtype)
                     self._from_host(host, staging)
-                    self._scatter(staging, dev)
+                    self._scatter(staging, torch.tensor(dev))
             return None
         compute = torch.cuda.current_stream(self.device)
         self.scatter_stream.wait_stream(compute)
+        with torch.cuda.stream(self.scatter_stream):  # up front: the copy engine is busy next
+            (idx,) = upload([device_pages], torch.long, self.device)
         start = _record(self.copy_stream)
-        for i, (dev, host) in enumerate(_chunks(device_pages, host_pages)):
+        for i, (dev, host) in enumerate(_chunks(device_pages, host_pages, self.chunk)):
             buf = self._staging[False][i % 2]
             self.copy_stream.wait_event(buf.free)
             with torch.cuda.stream(self.copy_stream):
                 self._from_host(host, buf.data[: len(dev)])
             self.scatter_stream.wait_event(_record(self.copy_stream))
             with torch.cuda.stream(self.scatter_stream):
-                self._scatter(buf.data[: len(dev)], dev)
+                self._scatter(buf.data[: len(dev)],
+                              idx[i * self.chunk : i * self.chunk + len(dev)])
                 buf.free.record(self.scatter_stream)
         done = _record(self.scatter_stream, timing=True)
         self._timing.append((False, len(device_pages) * self.page_bytes, start, done))
         self._unfenced.append(done)
         return done
 
-    def _gather(self, device_pages: list[int], out: torch.Tensor) -> None:
-        """`out[i]` (layers, 2, page_size, H, D) <- device page `device_pages[i]`."""
-        (idx,) = upload([device_pages], torch.long, self.device)
-        for layer, (k, v) in enumerate(self.kv):
-            out[:, layer, 0] = k[idx]
-            out[:, layer, 1] = v[idx]
+    def _gather(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """`out[i]` (layers, 2, page_size, H, D) <- device page `idx[i]`: two kernels, whatever
+        the layer count."""
+        out.copy_(self.kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5))
 
-    def _scatter(self, src: torch.Tensor, device_pages: list[int]) -> None:
-        (idx,) = upload([device_pages], torch.long, self.device)
-        for layer, (k, v) in enumerate(self.kv):
-            k.index_copy_(0, idx, src[:, layer, 0])
-            v.index_copy_(0, idx, src[:, layer, 1])
+    def _scatter(self, src: torch.Tensor, idx: torch.Tensor) -> None:
+        """Device page `idx[i]` <- `src[i]` (layers, 2, page_size, H, D): one kernel."""
+        self.kv.index_copy_(2, idx, src.permute(1, 2, 0, 3, 4, 5))
 
     def _to_host(self, staging: torch.Tensor, host_pages: list[int]) -> None:
         for h, s, m in _runs(host_pages):
@@ -183,9 +184,9 @@ def _record(stream: torch.cuda.Stream, timing: bool = True) -> torch.cuda.Event:
     return event
 
 
-def _chunks(device_pages: list[int], host_pages: list[int]):
-    for i in range(0, len(device_pages), CHUNK_PAGES):
-        yield device_pages[i : i + CHUNK_PAGES], host_pages[i : i + CHUNK_PAGES]
+def _chunks(device_pages: list[int], host_pages: list[int], n: int):
+    for i in range(0, len(device_pages), n):
+        yield device_pages[i : i + n], host_pages[i : i + n]
 
 
 class _Timer:

@@ -57,13 +57,9 @@ class ModelRunner:
         self.pad_page = num_pages
         shape = ((num_pages + 1) * page_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: the CPU path reads padded slots (with zero weight); keep them finite.
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=w.dtype, device=w.device),
-                torch.zeros(shape, dtype=w.dtype, device=w.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        # One tensor for every layer's K and V, so the host tier moves a page in one kernel.
+        self.kv_pool = torch.zeros((cfg.num_layers, 2, *shape), dtype=w.dtype, device=w.device)
+        self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
         self.device = w.device
         # The prefix cache's host tier, when there is one: forwards wait for its loads (fence).
         self.host_kv: HostKVPool | None = None

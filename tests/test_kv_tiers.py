@@ -139,10 +139,9 @@ def check_pool_copies(device: str, dtype: torch.dtype) -> None:
     boundaries and runs of host pages that are and are not consecutive."""
     torch.manual_seed(0)
     ps, layers, pages = 4, 3, 80
-    kv = [(torch.randn((pages + 1) * ps, 2, 8, dtype=dtype, device=device),
-           torch.randn((pages + 1) * ps, 2, 8, dtype=dtype, device=device))
-          for _ in range(layers)]
-    pool = HostKVPool(kv, 90, ps)
+    kv_pool = torch.randn(layers, 2, (pages + 1) * ps, 2, 8, dtype=dtype, device=device)
+    kv = [(kv_pool[i, 0], kv_pool[i, 1]) for i in range(layers)]  # the model's views
+    pool = HostKVPool(kv_pool, 90, ps, chunk_pages=16)
     src = list(range(0, 70))
     host = list(range(5, 40)) + list(range(50, 85))[::-1]
     before = [(k.clone(), v.clone()) for k, v in kv]
