@@ -1,39 +1,46 @@
 """The host tier's KV pool: host memory under the radix tree (engine/prefix_cache.py).
 
-Layout. Page-major, `(num_pages, num_layers, 2, page_size, kv_heads, head_dim)`: a host page
-holds one device page's K and V of every layer in one block, so moving pages is one copy per
-run of consecutive host pages, whatever the layer count. On the device a page is `page_size`
-rows of each layer's K and V (engine/model_runner.py); copies gather or scatter those through
-staging buffers of `CHUNK_PAGES` pages.
+Layout. Layer-major, `(num_layers, num_pages, 2, page_size, kv_heads, head_dim)`, like the
+device pool (`ModelRunner.kv_pool`, `(num_layers, 2, rows, kv_heads, head_dim)`): one layer's
+K and V of a run of consecutive host pages is one block, so a load can bring the layers up one
+by one, and the forward that reads them waits for each layer's copy just before that layer
+(`fenced`), not for the whole load.
 
-Streams on CUDA (the pool is pinned; no copy makes the host wait). Every host<->device
-transfer runs on one copy stream, so transfers touching the same host pages run in the order
-they were queued. Two staging buffers each way let chunk i+1's transfer overlap chunk i's
-gather or scatter kernels.
-- `offload` gathers each chunk on the compute stream (behind the forwards queued before it,
-  ahead of any queued after it that reuses its device pages), and the copy stream sends it
-  to the host; the compute stream waits only for a staging buffer to come free.
-- `load` starts once the compute stream's queued work is done (it may still be reading the
-  device pages the load writes): the copy stream brings each chunk up, a scatter stream
-  writes it into the KV pool, and an event says when all is done. The request it loads for
-  waits for that event (`done`), not the batch.
-- `fence` makes the next forward wait for every load queued so far: free for the loads whose
-  requests waited for them anyway; it matters only when a load's device pages change hands
-  before it is done (its request was aborted). An offload never reads such pages: a loaded
-  node keeps its host copy, so evicting it copies nothing.
+Streams on CUDA (the pool is pinned; no copy makes the host wait). Every host<->device transfer
+runs on one copy stream, in the order queued. Two staging buffers each way let one chunk's
+transfer overlap the neighbouring chunk's gather or scatter kernel.
+- `offload` gathers each chunk of pages (all layers, one kernel) on the compute stream (behind
+  the forwards queued before it, ahead of any queued after it that reuses its device pages);
+  the copy stream sends it to the host. The compute stream waits only for a staging buffer.
+- `load` starts once the compute stream's queued work is done (it may still read the device
+  pages the load writes): layer by layer, the copy stream brings a chunk up and a scatter
+  stream writes it into the device pool, recording an event per layer. Its request either
+  waits for the last event (`done`) or, for a load of at most `overlap_pages`, starts at once:
+  `use` then makes the next forward wait for each layer's event before that layer. A load
+  whose request ended first is `use`d too: its pages may go to the next forward's requests.
 On a CPU the pool is a second tensor in memory and every copy is done when it returns.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.prefix_cache import CopyStats
 from kernels.upload import upload
 
-CHUNK_PAGES = 32  # pages per staging buffer (Llama-3-8B bf16: 2 MiB a page)
+CHUNK_PAGES = 64  # pages per offload staging buffer (loads: 4x, one layer at a time)
+OVERLAP_BYTES = 2**30  # loads up to this size start with the forward, layer by layer
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class LoadHandle:
+    events: list[torch.cuda.Event]  # one per layer: that layer's pages are on the device
 
 
 class HostKVPool:
@@ -50,13 +57,13 @@ class HostKVPool:
         self.chunk = chunk_pages
         # (num_layers, 2, num_device_pages + 1, page_size, kv_heads, head_dim)
         self.kv = kv_pool.view(layers, 2, rows // page_size, page_size, heads, dim)
-        self.page_shape = (layers, 2, page_size, heads, dim)
         self.cuda = self.device.type == "cuda"
-        # (num_pages, num_layers, 2, page_size, kv_heads, head_dim)
-        self.pool = torch.empty((num_pages, *self.page_shape), dtype=kv_pool.dtype,
-                                pin_memory=self.cuda)
-        self.page_bytes = self.pool[0].numel() * self.pool.element_size()
-        self._unfenced: list[torch.cuda.Event] = []  # loads no forward has waited for yet
+        # (num_layers, num_pages, 2, page_size, kv_heads, head_dim)
+        self.pool = torch.empty((layers, num_pages, 2, page_size, heads, dim),
+                                dtype=kv_pool.dtype, pin_memory=self.cuda)
+        self.page_bytes = self.pool[:, 0].numel() * self.pool.element_size()
+        self.overlap_pages = OVERLAP_BYTES // self.page_bytes if self.cuda else 0
+        self._due: list[LoadHandle] = []  # loads the next forward must wait for, per layer
         # (to_host, bytes, start, end) events of CUDA copies not yet added to the totals
         self._timing: list[tuple[bool, int, torch.cuda.Event, torch.cuda.Event]] = []
         self._bytes = {True: 0, False: 0}  # to_host -> bytes copied
@@ -64,91 +71,94 @@ class HostKVPool:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.scatter_stream = torch.cuda.Stream(self.device)
-            self._staging = {to_host: [_Buffer(self, chunk_pages) for _ in range(2)]
-                             for to_host in (True, False)}
+            # (num_layers, chunk, 2, page_size, H, D) and (4 * chunk, 2, page_size, H, D)
+            self._out = [_Buffer((layers, chunk_pages, *self.pool.shape[2:]), self.pool.dtype,
+                                 self.device) for _ in range(2)]
+            self._in = [_Buffer((4 * chunk_pages, *self.pool.shape[2:]), self.pool.dtype,
+                                self.device) for _ in range(2)]
 
     @torch.inference_mode()
     def offload(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy device pages to host pages (queued behind the device's work)."""
         if not self.cuda:
             with self._timed(True, len(device_pages)):
-                for dev, host in _chunks(device_pages, host_pages, self.chunk):
-                    staging = torch.empty((len(dev), *self.page_shape), dtype=self.pool.dtype)
-                    self._gather(torch.tensor(dev), staging)
-                    self._to_host(staging, host)
+                gathered = self._gather(torch.tensor(device_pages))  # (L, n, 2, ps, H, D)
+                self.pool.index_copy_(1, torch.tensor(host_pages), gathered)
             return
         compute = torch.cuda.current_stream(self.device)
         start = _record(compute)
         (idx,) = upload([device_pages], torch.long, self.device)
-        for i, (dev, host) in enumerate(_chunks(device_pages, host_pages, self.chunk)):
-            buf = self._staging[True][i % 2]
+        for i, (at, dev, host) in enumerate(_chunks(device_pages, host_pages, self.chunk)):
+            buf = self._out[i % 2]
             compute.wait_event(buf.free)
-            self._gather(idx[i * self.chunk : i * self.chunk + len(dev)], buf.data[: len(dev)])
+            staging = buf.data[:, : len(dev)]  # (L, n, 2, page_size, H, D)
+            staging.copy_(self._gather(idx[at : at + len(dev)]))
             self.copy_stream.wait_event(_record(compute))
             with torch.cuda.stream(self.copy_stream):
-                self._to_host(buf.data[: len(dev)], host)
+                for h, s, m in _runs(host):
+                    for layer in range(self.pool.shape[0]):
+                        self.pool[layer, h : h + m].copy_(staging[layer, s : s + m],
+                                                          non_blocking=True)
                 buf.free.record(self.copy_stream)
         self._timing.append((True, len(device_pages) * self.page_bytes, start,
                              _record(self.copy_stream)))
 
     @torch.inference_mode()
-    def load(self, host_pages: list[int], device_pages: list[int]) -> torch.cuda.Event | None:
-        """Start copying host pages into device pages; returns what `done` takes."""
+    def load(self, host_pages: list[int], device_pages: list[int]) -> LoadHandle | None:
+        """Start copying host pages into device pages, layer by layer; returns what `done`
+        and `use` take."""
         if not self.cuda:
             with self._timed(False, len(device_pages)):
-                for dev, host in _chunks(device_pages, host_pages, self.chunk):
-                    staging = torch.empty((len(dev), *self.page_shape), dtype=self.pool.dtype)
-                    self._from_host(host, staging)
-                    self._scatter(staging, torch.tensor(dev))
+                staged = self.pool.index_select(1, torch.tensor(host_pages))
+                self.kv.index_copy_(2, torch.tensor(device_pages), staged.permute(0, 2, 1, 3, 4, 5))
             return None
         compute = torch.cuda.current_stream(self.device)
         self.scatter_stream.wait_stream(compute)
         with torch.cuda.stream(self.scatter_stream):  # up front: the copy engine is busy next
             (idx,) = upload([device_pages], torch.long, self.device)
         start = _record(self.copy_stream)
-        for i, (dev, host) in enumerate(_chunks(device_pages, host_pages, self.chunk)):
-            buf = self._staging[False][i % 2]
-            self.copy_stream.wait_event(buf.free)
-            with torch.cuda.stream(self.copy_stream):
-                self._from_host(host, buf.data[: len(dev)])
-            self.scatter_stream.wait_event(_record(self.copy_stream))
-            with torch.cuda.stream(self.scatter_stream):
-                self._scatter(buf.data[: len(dev)],
-                              idx[i * self.chunk : i * self.chunk + len(dev)])
-                buf.free.record(self.scatter_stream)
-        done = _record(self.scatter_stream, timing=True)
-        self._timing.append((False, len(device_pages) * self.page_bytes, start, done))
-        self._unfenced.append(done)
-        return done
+        events, i = [], 0
+        for layer in range(self.pool.shape[0]):
+            for at, dev, host in _chunks(device_pages, host_pages, 4 * self.chunk):
+                buf = self._in[i % 2]
+                i += 1
+                staging = buf.data[: len(dev)]  # (n, 2, page_size, H, D)
+                self.copy_stream.wait_event(buf.free)
+                with torch.cuda.stream(self.copy_stream):
+                    for h, s, m in _runs(host):
+                        staging[s : s + m].copy_(self.pool[layer, h : h + m], non_blocking=True)
+                self.scatter_stream.wait_event(_record(self.copy_stream))
+                with torch.cuda.stream(self.scatter_stream):
+                    self.kv[layer].index_copy_(1, idx[at : at + len(dev)],
+                                               staging.transpose(0, 1))
+                    buf.free.record(self.scatter_stream)
+            events.append(_record(self.scatter_stream))
+        self._timing.append((False, len(device_pages) * self.page_bytes, start, events[-1]))
+        return LoadHandle(events)
 
-    def _gather(self, idx: torch.Tensor, out: torch.Tensor) -> None:
-        """`out[i]` (layers, 2, page_size, H, D) <- device page `idx[i]`: two kernels, whatever
-        the layer count."""
-        out.copy_(self.kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5))
-
-    def _scatter(self, src: torch.Tensor, idx: torch.Tensor) -> None:
-        """Device page `idx[i]` <- `src[i]` (layers, 2, page_size, H, D): one kernel."""
-        self.kv.index_copy_(2, idx, src.permute(1, 2, 0, 3, 4, 5))
-
-    def _to_host(self, staging: torch.Tensor, host_pages: list[int]) -> None:
-        for h, s, m in _runs(host_pages):
-            self.pool[h : h + m].copy_(staging[s : s + m], non_blocking=True)
-
-    def _from_host(self, host_pages: list[int], staging: torch.Tensor) -> None:
-        for h, s, m in _runs(host_pages):
-            staging[s : s + m].copy_(self.pool[h : h + m], non_blocking=True)
+    def _gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """(num_layers, n, 2, page_size, H, D) view of device pages `idx`, every layer in one
+        kernel."""
+        return self.kv.index_select(2, idx).transpose(1, 2)
 
     @staticmethod
-    def done(handle: torch.cuda.Event | None) -> bool:
-        return handle is None or handle.query()
+    def done(handle: LoadHandle | None) -> bool:
+        return handle is None or handle.events[-1].query()
 
-    def fence(self) -> None:
-        """Make the work queued next on the compute stream wait for every load queued so far."""
-        if self._unfenced:
-            stream = torch.cuda.current_stream(self.device)
-            for event in self._unfenced:
-                stream.wait_event(event)
-            self._unfenced.clear()
+    def use(self, handle: LoadHandle | None) -> None:
+        """The next forward reads, or reuses, the device pages `handle`'s load writes: it waits
+        for each layer's copy before that layer (`fenced`)."""
+        if not self.done(handle):
+            assert handle is not None
+            self._due.append(handle)
+
+    def fenced(self, kv_caches: Sequence[KV]) -> Sequence[KV]:
+        """The forward's per-layer KV: as given, or, while loads are due, a sequence whose
+        iteration (the model's layer loop) queues the wait for each layer's copies first."""
+        if not self._due:
+            return kv_caches
+        due, self._due = self._due, []
+        return _FencedLayers(kv_caches, due, torch.cuda.current_stream(self.device))
 
     def copy_stats(self) -> CopyStats:
         """Bytes copied each way and the seconds the copies took (on CUDA: from the copy's
@@ -168,12 +178,31 @@ class HostKVPool:
         return _Timer(self, to_host, num_pages * self.page_bytes)
 
 
+class _FencedLayers(Sequence[KV]):
+    """Per-layer KV whose iteration makes `stream` wait for layer i's loads before layer i."""
+
+    def __init__(self, kv_caches: Sequence[KV], due: list[LoadHandle],
+                 stream: torch.cuda.Stream):
+        self.kv_caches, self.due, self.stream = kv_caches, due, stream
+
+    def __len__(self) -> int:
+        return len(self.kv_caches)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.kv_caches[i]
+
+    def __iter__(self) -> Iterator[KV]:
+        for i, kv in enumerate(self.kv_caches):
+            for handle in self.due:
+                self.stream.wait_event(handle.events[i])
+            yield kv
+
+
 class _Buffer:
     """A staging buffer on the device and the event after which it may be written again."""
 
-    def __init__(self, pool: HostKVPool, num_pages: int):
-        self.data = torch.empty((num_pages, *pool.page_shape), dtype=pool.pool.dtype,
-                                device=pool.device)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.data = torch.empty(shape, dtype=dtype, device=device)
         self.free = torch.cuda.Event()
         self.free.record()  # free from the start
 
@@ -184,9 +213,10 @@ def _record(stream: torch.cuda.Stream, timing: bool = True) -> torch.cuda.Event:
     return event
 
 
-def _chunks(device_pages: list[int], host_pages: list[int], n: int):
+def _chunks(device_pages: list[int], host_pages: list[int],
+            n: int) -> Iterator[tuple[int, list[int], list[int]]]:
     for i in range(0, len(device_pages), n):
-        yield device_pages[i : i + n], host_pages[i : i + n]
+        yield i, device_pages[i : i + n], host_pages[i : i + n]
 
 
 class _Timer:

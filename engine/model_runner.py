@@ -61,7 +61,8 @@ class ModelRunner:
         self.kv_pool = torch.zeros((cfg.num_layers, 2, *shape), dtype=w.dtype, device=w.device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
         self.device = w.device
-        # The prefix cache's host tier, when there is one: forwards wait for its loads (fence).
+        # The prefix cache's host tier, when there is one: forwards wait for its loads
+        # (`HostKVPool.fenced`).
         self.host_kv: HostKVPool | None = None
         eos = cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
         self.sampler = Sampler(seed, eos)
@@ -102,19 +103,20 @@ class ModelRunner:
         the batch's decodes are of the tokens that step draws: they feed in on the device,
         before the host has seen them (the overlapped schedule, `LLMEngine._overlap_step`);
         its prompts, if any, are known on the host."""
-        if self.host_kv is not None:
-            self.host_kv.fence()
+        # While host-tier loads are due, the forward runs eagerly, waiting for each layer's
+        # copy before that layer (a graph could not wait in between).
+        kv = self.kv_caches if self.host_kv is None else self.host_kv.fenced(self.kv_caches)
         seqs = sorted(batch.seqs, key=self._layout)
         inputs = StepInputs.build(seqs, self.page_size)
         input_ids = None if after is None else self._fed_ids(seqs, inputs, after)
-        logits = self._graph_logits(inputs, input_ids)
+        logits = self._graph_logits(inputs, input_ids) if kv is self.kv_caches else None
         if logits is None:
             ids, positions, meta, sample_rows = self._prepare(inputs)
             if input_ids is not None:
                 ids = input_ids
             if self.lora is not None:
                 self.lora.begin_step(inputs.lora_slots, inputs.num_new_tokens)
-            hidden = self.model(ids, positions, self.kv_caches, meta)
+            hidden = self.model(ids, positions, kv, meta)
             logits = self.model.compute_logits(hidden[sample_rows])
         rows = [s.request for s in seqs for _ in range(1 + len(s.draft)) if s.samples]
         return Step(batch, rows, logits)

@@ -46,15 +46,19 @@ class HostKV(Protocol):
 
     Copies are queued in order with the device's work: `offload` reads the device pages as
     they are once the work queued before it is done, so the caller may free and reuse them at
-    once; `load` writes device pages that nothing may read before `done(handle)`."""
+    once; `load` writes device pages that no forward may touch before `done(handle)`, unless
+    `use(handle)` was called first (that forward then waits for the copy)."""
 
     num_pages: int  # the host pool's size
+    overlap_pages: int  # loads up to this size may start with the forward that reads them
 
     def offload(self, device_pages: list[int], host_pages: list[int]) -> None: ...
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> Any: ...
 
     def done(self, handle: Any) -> bool: ...
+
+    def use(self, handle: Any) -> None: ...
 
     def copy_stats(self) -> CopyStats: ...
 
@@ -110,12 +114,13 @@ class PrefixCache:
     def ready(self, req: Request) -> bool:
         """May `req` be attached now? False while the host-resident part of its cached prefix
         is being copied back to the device (started by the first call: the prefix is locked
-        meanwhile). Never False for want of room: with too few device pages for the copy,
-        the request starts from its device prefix and computes the rest."""
+        meanwhile), unless the copy is small enough to overlap the forward that reads it.
+        Never False for want of room: with too few device pages for the copy, the request
+        starts from its device prefix and computes the rest."""
         load = self._loading.get(req)
         if load is not None:
             assert self.host is not None
-            return self.host.done(load.handle)
+            return self.host.done(load.handle) or load.num_pages <= self.host.overlap_pages
         if self.host is None:
             return True
         nodes = self.tree.host_path(req.namespace, req.token_ids)
@@ -131,14 +136,17 @@ class PrefixCache:
         self.tree.lock(nodes[-1])
         self._loading[req] = _Load(nodes[-1], n, handle)
         self.loaded_pages += n
-        return self.host.done(handle)
+        return self.host.done(handle) or n <= self.host.overlap_pages
 
     def _drop_load(self, req: Request) -> int:
-        """Forget `req`'s load (done or not: a later step's forward waits for its copy, see
-        `HostKV`); its pages stay cached. Returns how many pages it loaded."""
+        """Forget `req`'s load: it was attached, or it ended first. Either way the next forward
+        may read or reuse the pages, so it waits for a copy still running (`HostKV.use`); the
+        pages stay cached. Returns how many pages it loaded."""
         load = self._loading.pop(req, None)
         if load is None:
             return 0
+        assert self.host is not None
+        self.host.use(load.handle)
         self.tree.unlock(load.node)
         return load.num_pages
 

@@ -9,6 +9,7 @@ elementwise stages through `kernels.fused` (one Triton kernel each on CUDA, torc
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -165,10 +166,11 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden]. `kv_caches` is
+        iterated once, layer by layer, as the layers are queued (the host KV tier's waits)."""
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D/2)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
