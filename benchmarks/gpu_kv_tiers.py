@@ -64,7 +64,11 @@ def pool_bandwidth(eng, chunk: int, num_pages: int = 256, reps: int = 5) -> dict
             times.append(time.perf_counter() - t)
         out[f"{name}_gb_s"] = round(num_pages * pool.page_bytes / statistics.median(times[1:])
                                     / 1e9, 1)
-    pool.fence()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()  # the host's time to queue it
+        out[f"{name}_queue_ms"] = round((time.perf_counter() - t) * 1e3, 2)
+        torch.cuda.synchronize()
     return out
 
 

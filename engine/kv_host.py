@@ -1,10 +1,11 @@
 """The host tier's KV pool: host memory under the radix tree (engine/prefix_cache.py).
 
-Layout. Layer-major, `(num_layers, num_pages, 2, page_size, kv_heads, head_dim)`, like the
-device pool (`ModelRunner.kv_pool`, `(num_layers, 2, rows, kv_heads, head_dim)`): one layer's
-K and V of a run of consecutive host pages is one block, so a load can bring the layers up one
-by one, and the forward that reads them waits for each layer's copy just before that layer
-(`fenced`), not for the whole load.
+Layout. `(num_layers, 2, num_pages, page_size, kv_heads, head_dim)`, the device pool's
+(`ModelRunner.kv_pool`, `(num_layers, 2, rows, kv_heads, head_dim)`): a run of pages that are
+consecutive both here and on the device is one block per layer and K/V on both sides, so a
+load copies it straight into the device pool, layer by layer, and the forward that reads it
+waits for each layer's copy just before that layer (`fenced`), not for the whole load. Pages
+that are not (a fragmented load) go through a staging buffer and a scatter kernel.
 
 Streams on CUDA (the pool is pinned; no copy makes the host wait). Every host<->device transfer
 runs on one copy stream, in the order queued. Two staging buffers each way let one chunk's
@@ -13,8 +14,10 @@ transfer overlap the neighbouring chunk's gather or scatter kernel.
   the forwards queued before it, ahead of any queued after it that reuses its device pages);
   the copy stream sends it to the host. The compute stream waits only for a staging buffer.
 - `load` starts once the compute stream's queued work is done (it may still read the device
-  pages the load writes): layer by layer, the copy stream brings a chunk up and a scatter
-  stream writes it into the device pool, recording an event per layer. Its request either
+  pages the load writes): layer by layer, the copy stream brings the runs up (a fragmented
+  load: through staging chunks a scatter stream writes into the pool), recording an event
+  per layer. Few host operations per layer matter here: queuing the load must not take
+  longer than the transfer. Its request either
   waits for the last event (`done`) or, for a load of at most `overlap_pages`, starts at once:
   `use` then makes the next forward wait for each layer's event before that layer. A load
   whose request ended first is `use`d too: its pages may go to the next forward's requests.
@@ -58,10 +61,10 @@ class HostKVPool:
         # (num_layers, 2, num_device_pages + 1, page_size, kv_heads, head_dim)
         self.kv = kv_pool.view(layers, 2, rows // page_size, page_size, heads, dim)
         self.cuda = self.device.type == "cuda"
-        # (num_layers, num_pages, 2, page_size, kv_heads, head_dim)
-        self.pool = torch.empty((layers, num_pages, 2, page_size, heads, dim),
+        # (num_layers, 2, num_pages, page_size, kv_heads, head_dim)
+        self.pool = torch.empty((layers, 2, num_pages, page_size, heads, dim),
                                 dtype=kv_pool.dtype, pin_memory=self.cuda)
-        self.page_bytes = self.pool[:, 0].numel() * self.pool.element_size()
+        self.page_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
         self.overlap_pages = OVERLAP_BYTES // self.page_bytes if self.cuda else 0
         self._due: list[LoadHandle] = []  # loads the next forward must wait for, per layer
         # (to_host, bytes, start, end) events of CUDA copies not yet added to the totals
@@ -71,10 +74,11 @@ class HostKVPool:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.scatter_stream = torch.cuda.Stream(self.device)
-            # (num_layers, chunk, 2, page_size, H, D) and (4 * chunk, 2, page_size, H, D)
-            self._out = [_Buffer((layers, chunk_pages, *self.pool.shape[2:]), self.pool.dtype,
+            # (num_layers, 2, chunk, page_size, H, D) and (2, 4 * chunk, page_size, H, D)
+            shape = self.pool.shape
+            self._out = [_Buffer((layers, 2, chunk_pages, *shape[3:]), self.pool.dtype,
                                  self.device) for _ in range(2)]
-            self._in = [_Buffer((4 * chunk_pages, *self.pool.shape[2:]), self.pool.dtype,
+            self._in = [_Buffer((2, 4 * chunk_pages, *shape[3:]), self.pool.dtype,
                                 self.device) for _ in range(2)]
 
     @torch.inference_mode()
@@ -82,26 +86,27 @@ class HostKVPool:
         """Copy device pages to host pages (queued behind the device's work)."""
         if not self.cuda:
             with self._timed(True, len(device_pages)):
-                gathered = self._gather(torch.tensor(device_pages))  # (L, n, 2, ps, H, D)
-                self.pool.index_copy_(1, torch.tensor(host_pages), gathered)
+                self.pool.index_copy_(2, torch.tensor(host_pages),
+                                      self.kv.index_select(2, torch.tensor(device_pages)))
             return
         compute = torch.cuda.current_stream(self.device)
-        start = _record(compute)
+        start = _record(compute, timing=True)
         (idx,) = upload([device_pages], torch.long, self.device)
         for i, (at, dev, host) in enumerate(_chunks(device_pages, host_pages, self.chunk)):
             buf = self._out[i % 2]
             compute.wait_event(buf.free)
-            staging = buf.data[:, : len(dev)]  # (L, n, 2, page_size, H, D)
-            staging.copy_(self._gather(idx[at : at + len(dev)]))
+            staging = buf.data[:, :, : len(dev)]  # (L, 2, n, page_size, H, D)
+            staging.copy_(self.kv.index_select(2, idx[at : at + len(dev)]))
             self.copy_stream.wait_event(_record(compute))
             with torch.cuda.stream(self.copy_stream):
                 for h, s, m in _runs(host):
                     for layer in range(self.pool.shape[0]):
-                        self.pool[layer, h : h + m].copy_(staging[layer, s : s + m],
-                                                          non_blocking=True)
+                        for kv in (0, 1):
+                            self.pool[layer, kv, h : h + m].copy_(staging[layer, kv, s : s + m],
+                                                                  non_blocking=True)
                 buf.free.record(self.copy_stream)
         self._timing.append((True, len(device_pages) * self.page_bytes, start,
-                             _record(self.copy_stream)))
+                             _record(self.copy_stream, timing=True)))
 
     @torch.inference_mode()
     def load(self, host_pages: list[int], device_pages: list[int]) -> LoadHandle | None:
@@ -109,37 +114,49 @@ class HostKVPool:
         and `use` take."""
         if not self.cuda:
             with self._timed(False, len(device_pages)):
-                staged = self.pool.index_select(1, torch.tensor(host_pages))
-                self.kv.index_copy_(2, torch.tensor(device_pages), staged.permute(0, 2, 1, 3, 4, 5))
+                self.kv.index_copy_(2, torch.tensor(device_pages),
+                                    self.pool.index_select(2, torch.tensor(host_pages)))
             return None
         compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)
+        start = _record(self.copy_stream, timing=True)
+        runs = _paired_runs(host_pages, device_pages)
+        if len(runs) > 4:  # fragmented: through staging and a scatter kernel
+            events = self._load_scattered(host_pages, device_pages, compute)
+        else:
+            events = []
+            with torch.cuda.stream(self.copy_stream):
+                for layer in range(self.pool.shape[0]):
+                    for h, d, m in runs:
+                        for kv in (0, 1):
+                            self.kv[layer, kv, d : d + m].copy_(self.pool[layer, kv, h : h + m],
+                                                                non_blocking=True)
+                    events.append(_record(self.copy_stream, timing=layer == len(self.kv) - 1))
+        self._timing.append((False, len(device_pages) * self.page_bytes, start, events[-1]))
+        return LoadHandle(events)
+
+    def _load_scattered(self, host_pages: list[int], device_pages: list[int],
+                        compute: torch.cuda.Stream) -> list[torch.cuda.Event]:
         self.scatter_stream.wait_stream(compute)
         with torch.cuda.stream(self.scatter_stream):  # up front: the copy engine is busy next
             (idx,) = upload([device_pages], torch.long, self.device)
-        start = _record(self.copy_stream)
         events, i = [], 0
         for layer in range(self.pool.shape[0]):
             for at, dev, host in _chunks(device_pages, host_pages, 4 * self.chunk):
                 buf = self._in[i % 2]
                 i += 1
-                staging = buf.data[: len(dev)]  # (n, 2, page_size, H, D)
+                staging = buf.data[:, : len(dev)]  # (2, n, page_size, H, D)
                 self.copy_stream.wait_event(buf.free)
                 with torch.cuda.stream(self.copy_stream):
                     for h, s, m in _runs(host):
-                        staging[s : s + m].copy_(self.pool[layer, h : h + m], non_blocking=True)
+                        staging[:, s : s + m].copy_(self.pool[layer, :, h : h + m],
+                                                    non_blocking=True)
                 self.scatter_stream.wait_event(_record(self.copy_stream))
                 with torch.cuda.stream(self.scatter_stream):
-                    self.kv[layer].index_copy_(1, idx[at : at + len(dev)],
-                                               staging.transpose(0, 1))
+                    self.kv[layer].index_copy_(1, idx[at : at + len(dev)], staging)
                     buf.free.record(self.scatter_stream)
-            events.append(_record(self.scatter_stream))
-        self._timing.append((False, len(device_pages) * self.page_bytes, start, events[-1]))
-        return LoadHandle(events)
-
-    def _gather(self, idx: torch.Tensor) -> torch.Tensor:
-        """(num_layers, n, 2, page_size, H, D) view of device pages `idx`, every layer in one
-        kernel."""
-        return self.kv.index_select(2, idx).transpose(1, 2)
+            events.append(_record(self.scatter_stream, timing=layer == len(self.kv) - 1))
+        return events
 
     @staticmethod
     def done(handle: LoadHandle | None) -> bool:
@@ -207,7 +224,7 @@ class _Buffer:
         self.free.record()  # free from the start
 
 
-def _record(stream: torch.cuda.Stream, timing: bool = True) -> torch.cuda.Event:
+def _record(stream: torch.cuda.Stream, timing: bool = False) -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=timing)
     event.record(stream)
     return event
@@ -231,6 +248,17 @@ class _Timer:
     def __exit__(self, *exc: object) -> None:
         self.pool._bytes[self.to_host] += self.nbytes
         self.pool._seconds[self.to_host] += time.perf_counter() - self.t0
+
+
+def _paired_runs(host: list[int], device: list[int]) -> list[tuple[int, int, int]]:
+    """(first host page, first device page, length) of each run consecutive on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for h, d in zip(host, device, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == h and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((h, d, 1))
+    return runs
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:

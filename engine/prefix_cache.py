@@ -130,7 +130,7 @@ class PrefixCache:
         n = _num_host_pages(nodes)
         if not nodes or n > self.allocator.num_free:
             return True
-        pages = self.allocator.allocate(n)
+        pages = sorted(self.allocator.allocate(n))  # runs of consecutive pages copy as one
         handle = self.host.load([p for x in nodes for p in x.host_pages], pages)
         self.tree.promote(nodes, pages)
         self.tree.lock(nodes[-1])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kv_host import HostKVPool, _runs
+from engine.kv_host import HostKVPool, _paired_runs, _runs
 
 _ids = itertools.count()
 DEVICE_PAGES = 64  # 1,024 tokens at 16 a page: three of the prompts below do not fit together
@@ -124,31 +124,37 @@ def test_full_host_tier_evicts_its_lru(smollm2_dir, prompts):
         check_owners(engine)
 
 
+FRAGMENTED = (list(range(70)), list(range(5, 40)) + list(range(50, 85))[::-1],
+              list(range(79, 9, -1)))
+CONSECUTIVE = (list(range(3, 73)), list(range(10, 80)), list(range(2, 40)) + list(range(42, 74)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pool_copies_are_exact(dtype):
-    check_pool_copies("cpu", dtype)
+@pytest.mark.parametrize("pages", [FRAGMENTED, CONSECUTIVE])
+def test_pool_copies_are_exact(dtype, pages):
+    check_pool_copies("cpu", dtype, *pages)
 
 
 @pytest.mark.gpu
-def test_pool_copies_are_exact_on_cuda():
-    check_pool_copies("cuda", torch.bfloat16)
+@pytest.mark.parametrize("pages", [FRAGMENTED, CONSECUTIVE])
+def test_pool_copies_are_exact_on_cuda(pages):
+    check_pool_copies("cuda", torch.bfloat16, *pages)
 
 
-def check_pool_copies(device: str, dtype: torch.dtype) -> None:
+def check_pool_copies(device: str, dtype: torch.dtype, src: list[int], host: list[int],
+                      dst: list[int]) -> None:
     """Pages offloaded and loaded into other device pages hold the same bits, over chunk
-    boundaries and runs of host pages that are and are not consecutive."""
+    boundaries, runs of pages that are and are not consecutive (on CUDA: the staged and the
+    direct load), and a forward's per-layer wait."""
     torch.manual_seed(0)
     ps, layers, pages = 4, 3, 80
     kv_pool = torch.randn(layers, 2, (pages + 1) * ps, 2, 8, dtype=dtype, device=device)
     kv = [(kv_pool[i, 0], kv_pool[i, 1]) for i in range(layers)]  # the model's views
     pool = HostKVPool(kv_pool, 90, ps, chunk_pages=16)
-    src = list(range(0, 70))
-    host = list(range(5, 40)) + list(range(50, 85))[::-1]
     before = [(k.clone(), v.clone()) for k, v in kv]
     pool.offload(src, host)
     for k, v in kv:  # the offload is queued before these writes: it reads the old pages
         k.zero_(), v.zero_()
-    dst = list(range(79, 9, -1))
     handle = pool.load(host, dst)
     pool.use(handle)
     for _ in pool.fenced(kv):  # what a forward does: wait for each layer's copy
@@ -160,12 +166,13 @@ def check_pool_copies(device: str, dtype: torch.dtype) -> None:
     if device == "cuda":
         torch.cuda.synchronize()  # the totals count copies that are done
     stats = pool.copy_stats()
-    assert stats.bytes_to_host == stats.bytes_to_device == 70 * pool.page_bytes
+    assert stats.bytes_to_host == stats.bytes_to_device == len(src) * pool.page_bytes
 
 
 def test_runs():
     assert _runs([]) == []
     assert _runs([3, 4, 5, 9, 1, 2]) == [(3, 0, 3), (9, 3, 1), (1, 4, 2)]
+    assert _paired_runs([3, 4, 5, 6], [7, 8, 1, 2]) == [(3, 7, 2), (5, 1, 2)]
 
 
 # -- over HTTP: sessions beyond the device pool, with the openai SDK ------------------------
