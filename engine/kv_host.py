@@ -17,10 +17,10 @@ transfer overlap the neighbouring chunk's gather or scatter kernel.
   pages the load writes): layer by layer, the copy stream brings the runs up (a fragmented
   load: through staging chunks a scatter stream writes into the pool), recording an event
   per layer. Few host operations per layer matter here: queuing the load must not take
-  longer than the transfer. Its request either
-  waits for the last event (`done`) or, for a load of at most `overlap_pages`, starts at once:
-  `use` then makes the next forward wait for each layer's event before that layer. A load
-  whose request ended first is `use`d too: its pages may go to the next forward's requests.
+  longer than the transfer. Its request either waits for the last event (`done`) or, on an
+  idle engine, starts at once: `use` then makes the next forward wait for each layer's event
+  before that layer (no graph then: a graph cannot wait in between). A load whose request
+  ended first is `use`d too: its pages may go to the next forward's requests.
 On a CPU the pool is a second tensor in memory and every copy is done when it returns.
 """
 
@@ -36,7 +36,6 @@ from engine.prefix_cache import CopyStats
 from kernels.upload import upload
 
 CHUNK_PAGES = 64  # pages per offload staging buffer (loads: 4x, one layer at a time)
-OVERLAP_BYTES = 2**30  # loads up to this size start with the forward, layer by layer
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -65,7 +64,6 @@ class HostKVPool:
         self.pool = torch.empty((layers, 2, num_pages, page_size, heads, dim),
                                 dtype=kv_pool.dtype, pin_memory=self.cuda)
         self.page_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
-        self.overlap_pages = OVERLAP_BYTES // self.page_bytes if self.cuda else 0
         self._due: list[LoadHandle] = []  # loads the next forward must wait for, per layer
         # (to_host, bytes, start, end) events of CUDA copies not yet added to the totals
         self._timing: list[tuple[bool, int, torch.cuda.Event, torch.cuda.Event]] = []

@@ -15,7 +15,8 @@ on `request.cache_node`; the rest belong to the request. The scheduler calls:
   idle sessions if that is what it takes.
 - `ready(req)` before admission, with a host tier: a request whose prefix is partly on the host
   has it copied back (asynchronously, `HostKV.load`) and waits, holding a lock on it, until
-  the copy is done; the others go ahead meanwhile.
+  the copy is done; the others go ahead meanwhile. On an idle engine it starts at once, its
+  forward overlapping the copy layer by layer.
 
 The host tier (`host`, engine/kv_host.py) sits under the tree: evicted device pages move to
 host pages (their own pool and allocator here) instead of being dropped, and a session's KV is
@@ -50,7 +51,6 @@ class HostKV(Protocol):
     `use(handle)` was called first (that forward then waits for the copy)."""
 
     num_pages: int  # the host pool's size
-    overlap_pages: int  # loads up to this size may start with the forward that reads them
 
     def offload(self, device_pages: list[int], host_pages: list[int]) -> None: ...
 
@@ -111,16 +111,17 @@ class PrefixCache:
 
     # -- loading from the host tier -------------------------------------------------------
 
-    def ready(self, req: Request) -> bool:
+    def ready(self, req: Request, overlap: bool = False) -> bool:
         """May `req` be attached now? False while the host-resident part of its cached prefix
         is being copied back to the device (started by the first call: the prefix is locked
-        meanwhile), unless the copy is small enough to overlap the forward that reads it.
-        Never False for want of room: with too few device pages for the copy, the request
-        starts from its device prefix and computes the rest."""
+        meanwhile), so the batch runs on without it; with `overlap` (nothing else runs, so
+        there is no batch to hold up), True at once: its forward then waits for each layer's
+        copy before that layer. Never False for want of room: with too few device pages for
+        the copy, the request starts from its device prefix and computes the rest."""
         load = self._loading.get(req)
         if load is not None:
             assert self.host is not None
-            return self.host.done(load.handle) or load.num_pages <= self.host.overlap_pages
+            return overlap or self.host.done(load.handle)
         if self.host is None:
             return True
         nodes = self.tree.host_path(req.namespace, req.token_ids)
@@ -136,7 +137,7 @@ class PrefixCache:
         self.tree.lock(nodes[-1])
         self._loading[req] = _Load(nodes[-1], n, handle)
         self.loaded_pages += n
-        return self.host.done(handle) or n <= self.host.overlap_pages
+        return overlap or self.host.done(handle)
 
     def _drop_load(self, req: Request) -> int:
         """Forget `req`'s load: it was attached, or it ended first. Either way the next forward

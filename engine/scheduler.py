@@ -195,7 +195,8 @@ class Scheduler:
         own work (build its matcher, copy its KV or its adapter); one that raises fails that
         request alone, through `batch.failed`."""
         try:
-            return self.is_ready(req) and self.cache.ready(req) and self.adapters.can_admit(req)
+            return (self.is_ready(req) and self.cache.ready(req, overlap=not self.running)
+                    and self.adapters.can_admit(req))
         except Exception as e:
             log.exception("request %s cannot start", req.request_id)
             batch.failed.append((req, f"could not start: {type(e).__name__}: {e}"))

@@ -184,8 +184,6 @@ class HostContents:
             self.kv[d] = self.host[h]
         return [1]
 
-    overlap_pages = 2  # smaller loads start at once (their forward waits for the copy)
-
     def done(self, handle: list[int]) -> bool:
         handle[0] -= 1
         return handle[0] < 0
