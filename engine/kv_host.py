@@ -147,8 +147,9 @@ class HostKVPool:
                 self.copy_stream.wait_event(buf.free)
                 with torch.cuda.stream(self.copy_stream):
                     for h, s, m in _runs(host):
-                        staging[:, s : s + m].copy_(self.pool[layer, :, h : h + m],
-                                                    non_blocking=True)
+                        for kv in (0, 1):  # contiguous on both sides, or torch copies on the CPU
+                            staging[kv, s : s + m].copy_(self.pool[layer, kv, h : h + m],
+                                                         non_blocking=True)
                 self.scatter_stream.wait_event(_record(self.copy_stream))
                 with torch.cuda.stream(self.scatter_stream):
                     self.kv[layer].index_copy_(1, idx[at : at + len(dev)], staging)
