@@ -18,7 +18,6 @@ import torch
 
 from engine.config import EngineConfig, ModelLoadError
 from engine.detokenizer import Decoder, IncrementalDetokenizer
-from engine.kv_host import HostKVPool
 from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
 from engine.model_runner import ModelRunner, Step
@@ -76,13 +75,10 @@ class LLMEngine:
             self.model, cfg.num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora,
             cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
             max_model_len=cfg.max_model_len, eos_token_ids=sorted(self.eos_token_ids),
+            host_kv_pages=cfg.host_kv_pages if cfg.prefix_cache else 0,
         )
-        host_kv = None
-        if cfg.host_kv_pages and cfg.prefix_cache:
-            host_kv = self.runner.host_kv = HostKVPool(self.runner.kv_pool, cfg.host_kv_pages,
-                                                       cfg.page_size)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
-                                        cfg.session_kv_pages, host_kv)
+                                        cfg.session_kv_pages, self.runner.host_kv)
         self.scheduler = Scheduler(
             self.allocator,
             cfg.page_size,

@@ -17,10 +17,12 @@ transfer overlap the neighbouring chunk's gather or scatter kernel.
   pages the load writes): layer by layer, the copy stream brings the runs up (a fragmented
   load: through staging chunks a scatter stream writes into the pool), recording an event
   per layer. Few host operations per layer matter here: queuing the load must not take
-  longer than the transfer. Its request either waits for the last event (`done`) or, on an
-  idle engine, starts at once: `use` then makes the next forward wait for each layer's event
-  before that layer (no graph then: a graph cannot wait in between). A load whose request
-  ended first is `use`d too: its pages may go to the next forward's requests.
+  longer than the transfer. Its request either waits for the last event (`done`) while the
+  batch runs on, or, on an idle engine, starts at once (`overlap`): the load then also records
+  `layer_ready`, which every forward waits for before each layer (the CUDA graphs too: they
+  were captured waiting on these external events), so the copy overlaps the forward. A load
+  whose request ended first, or started before its copy was done, is `use`d: the next
+  forward runs eagerly and waits for its layers (`layers`).
 On a CPU the pool is a second tensor in memory and every copy is done when it returns.
 """
 
@@ -43,6 +45,7 @@ KV = tuple[torch.Tensor, torch.Tensor]
 @dataclass
 class LoadHandle:
     events: list[torch.cuda.Event]  # one per layer: that layer's pages are on the device
+    overlapped: bool = False  # also recorded into the pool's `layer_ready` events
 
 
 class HostKVPool:
@@ -72,6 +75,13 @@ class HostKVPool:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.scatter_stream = torch.cuda.Stream(self.device)
+            # Every forward waits, before layer i, for the latest record of `layer_ready[i]`:
+            # the end of layer i's copy of the overlapped loads (recorded in their order on the
+            # scatter stream, so the latest covers the earlier ones). External events: captured
+            # into the CUDA graphs as wait nodes, so an overlapped load keeps them.
+            self.layer_ready = [torch.cuda.Event(external=True) for _ in range(layers)]
+            for event in self.layer_ready:
+                event.record()  # done from the start (a never-recorded event is not waited)
             # (num_layers, 2, chunk, page_size, H, D) and (2, 4 * chunk, page_size, H, D)
             shape = self.pool.shape
             self._out = [_Buffer((layers, 2, chunk_pages, *shape[3:]), self.pool.dtype,
@@ -107,9 +117,11 @@ class HostKVPool:
                              _record(self.copy_stream, timing=True)))
 
     @torch.inference_mode()
-    def load(self, host_pages: list[int], device_pages: list[int]) -> LoadHandle | None:
+    def load(self, host_pages: list[int], device_pages: list[int],
+             overlap: bool = False) -> LoadHandle | None:
         """Start copying host pages into device pages, layer by layer; returns what `done`
-        and `use` take."""
+        and `use` take. With `overlap`, every forward from now on waits for each layer's copy
+        before that layer (`layer_ready`), so its request may start at once."""
         if not self.cuda:
             with self._timed(False, len(device_pages)):
                 self.kv.index_copy_(2, torch.tensor(device_pages),
@@ -131,7 +143,11 @@ class HostKVPool:
                                                                 non_blocking=True)
                     events.append(_record(self.copy_stream, timing=layer == len(self.kv) - 1))
         self._timing.append((False, len(device_pages) * self.page_bytes, start, events[-1]))
-        return LoadHandle(events)
+        if overlap:
+            for ready, event in zip(self.layer_ready, events, strict=True):
+                self.scatter_stream.wait_event(event)
+                ready.record(self.scatter_stream)
+        return LoadHandle(events, overlap)
 
     def _load_scattered(self, host_pages: list[int], device_pages: list[int],
                         compute: torch.cuda.Stream) -> list[torch.cuda.Event]:
@@ -162,19 +178,27 @@ class HostKVPool:
         return handle is None or handle.events[-1].query()
 
     def use(self, handle: LoadHandle | None) -> None:
-        """The next forward reads, or reuses, the device pages `handle`'s load writes: it waits
-        for each layer's copy before that layer (`fenced`)."""
+        """The next forward reads, or reuses, the device pages `handle`'s load writes: unless
+        the load was overlapped (every forward waits for those), the next forward runs
+        eagerly and waits for each layer's copy before that layer (`layers`)."""
         if not self.done(handle):
             assert handle is not None
-            self._due.append(handle)
+            if not handle.overlapped:
+                self._due.append(handle)
 
-    def fenced(self, kv_caches: Sequence[KV]) -> Sequence[KV]:
-        """The forward's per-layer KV: as given, or, while loads are due, a sequence whose
-        iteration (the model's layer loop) queues the wait for each layer's copies first."""
-        if not self._due:
+    def graph_ok(self) -> bool:
+        """May the next forward replay a CUDA graph? Not while a load it must wait for was
+        not overlapped (its events are not the ones the graphs wait on)."""
+        return not self._due
+
+    def layers(self, kv_caches: Sequence[KV]) -> Sequence[KV]:
+        """The per-layer KV a forward (eager or captured) iterates: iterating it queues, before
+        layer i, the waits for layer i's copies (`layer_ready`, and the loads `use`d since
+        the last forward)."""
+        if not self.cuda:
             return kv_caches
         due, self._due = self._due, []
-        return _FencedLayers(kv_caches, due, torch.cuda.current_stream(self.device))
+        return _FencedLayers(kv_caches, [self.layer_ready, *(h.events for h in due)])
 
     def copy_stats(self) -> CopyStats:
         """Bytes copied each way and the seconds the copies took (on CUDA: from the copy's
@@ -195,11 +219,11 @@ class HostKVPool:
 
 
 class _FencedLayers(Sequence[KV]):
-    """Per-layer KV whose iteration makes `stream` wait for layer i's loads before layer i."""
+    """Per-layer KV whose iteration makes the current stream (a capturing one too) wait for
+    `waits[j][i]`, for every j, before layer i."""
 
-    def __init__(self, kv_caches: Sequence[KV], due: list[LoadHandle],
-                 stream: torch.cuda.Stream):
-        self.kv_caches, self.due, self.stream = kv_caches, due, stream
+    def __init__(self, kv_caches: Sequence[KV], waits: list[list[torch.cuda.Event]]):
+        self.kv_caches, self.waits = kv_caches, waits
 
     def __len__(self) -> int:
         return len(self.kv_caches)
@@ -208,9 +232,10 @@ class _FencedLayers(Sequence[KV]):
         return self.kv_caches[i]
 
     def __iter__(self) -> Iterator[KV]:
+        stream = torch.cuda.current_stream()
         for i, kv in enumerate(self.kv_caches):
-            for handle in self.due:
-                self.stream.wait_event(handle.events[i])
+            for events in self.waits:
+                stream.wait_event(events[i])
             yield kv
 
 

@@ -42,11 +42,12 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         max_model_len: int | None = None,
         eos_token_ids: list[int] | None = None,
+        host_kv_pages: int = 0,
     ):
         """`cuda_graph_max_batch > 0` on a CUDA model captures decode graphs for batches up to
         that size and contexts up to `max_model_len` (default: the whole pool).
         `eos_token_ids` (default: the model config's) are banned until a request's
-        `min_tokens`."""
+        `min_tokens`. `host_kv_pages > 0` adds the prefix cache's host tier (`host_kv`)."""
         self.model = model
         self.grammar = grammar
         self.lora = lora  # set when the model's projections are LoRA-wrapped
@@ -61,9 +62,10 @@ class ModelRunner:
         self.kv_pool = torch.zeros((cfg.num_layers, 2, *shape), dtype=w.dtype, device=w.device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
         self.device = w.device
-        # The prefix cache's host tier, when there is one: forwards wait for its loads
-        # (`HostKVPool.fenced`).
-        self.host_kv: HostKVPool | None = None
+        # The prefix cache's host tier: forwards, and the graphs captured below, wait for its
+        # loads layer by layer (`HostKVPool.layers`).
+        self.host_kv = HostKVPool(self.kv_pool, host_kv_pages, page_size) if host_kv_pages else None
+        layers = self.kv_caches if self.host_kv is None else self.host_kv.layers(self.kv_caches)
         eos = cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
         self.sampler = Sampler(seed, eos)
         self.graphs: DecodeGraphs | None = None
@@ -71,12 +73,12 @@ class ModelRunner:
         if cuda_graph_max_batch > 0 and self.device.type == "cuda":
             max_pages = min(-(-(max_model_len or num_pages * page_size) // page_size), num_pages)
             self.graphs = DecodeGraphs(
-                model, self.kv_caches, page_size, self.pad_page, cuda_graph_max_batch,
+                model, layers, page_size, self.pad_page, cuda_graph_max_batch,
                 max_pages, lora,
             )
             self.graphs.capture()
             self.extend_graphs = ExtendGraphs(
-                model, self.kv_caches, page_size, self.pad_page, EXTEND_GRAPH_TOKENS, max_pages,
+                model, layers, page_size, self.pad_page, EXTEND_GRAPH_TOKENS, max_pages,
                 lora,
             )
             self.extend_graphs.capture()
@@ -103,14 +105,13 @@ class ModelRunner:
         the batch's decodes are of the tokens that step draws: they feed in on the device,
         before the host has seen them (the overlapped schedule, `LLMEngine._overlap_step`);
         its prompts, if any, are known on the host."""
-        # While host-tier loads are due, the forward runs eagerly, waiting for each layer's
-        # copy before that layer (a graph could not wait in between).
-        kv = self.kv_caches if self.host_kv is None else self.host_kv.fenced(self.kv_caches)
         seqs = sorted(batch.seqs, key=self._layout)
         inputs = StepInputs.build(seqs, self.page_size)
         input_ids = None if after is None else self._fed_ids(seqs, inputs, after)
-        logits = self._graph_logits(inputs, input_ids) if kv is self.kv_caches else None
+        graph_ok = self.host_kv is None or self.host_kv.graph_ok()
+        logits = self._graph_logits(inputs, input_ids) if graph_ok else None
         if logits is None:
+            kv = self.kv_caches if self.host_kv is None else self.host_kv.layers(self.kv_caches)
             ids, positions, meta, sample_rows = self._prepare(inputs)
             if input_ids is not None:
                 ids = input_ids

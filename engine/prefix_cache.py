@@ -48,13 +48,15 @@ class HostKV(Protocol):
     Copies are queued in order with the device's work: `offload` reads the device pages as
     they are once the work queued before it is done, so the caller may free and reuse them at
     once; `load` writes device pages that no forward may touch before `done(handle)`, unless
-    `use(handle)` was called first (that forward then waits for the copy)."""
+    it was an `overlap` load (every forward waits for those) or `use(handle)` was called first
+    (the next forward then waits for the copy)."""
 
     num_pages: int  # the host pool's size
 
     def offload(self, device_pages: list[int], host_pages: list[int]) -> None: ...
 
-    def load(self, host_pages: list[int], device_pages: list[int]) -> Any: ...
+    def load(self, host_pages: list[int], device_pages: list[int],
+             overlap: bool = False) -> Any: ...
 
     def done(self, handle: Any) -> bool: ...
 
@@ -132,7 +134,7 @@ class PrefixCache:
         if not nodes or n > self.allocator.num_free:
             return True
         pages = sorted(self.allocator.allocate(n))  # runs of consecutive pages copy as one
-        handle = self.host.load([p for x in nodes for p in x.host_pages], pages)
+        handle = self.host.load([p for x in nodes for p in x.host_pages], pages, overlap)
         self.tree.promote(nodes, pages)
         self.tree.lock(nodes[-1])
         self._loading[req] = _Load(nodes[-1], n, handle)

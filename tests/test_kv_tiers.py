@@ -137,12 +137,13 @@ def test_pool_copies_are_exact(dtype, pages):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pages", [FRAGMENTED, CONSECUTIVE])
-def test_pool_copies_are_exact_on_cuda(pages):
-    check_pool_copies("cuda", torch.bfloat16, *pages)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pool_copies_are_exact_on_cuda(pages, overlap):
+    check_pool_copies("cuda", torch.bfloat16, *pages, overlap=overlap)
 
 
 def check_pool_copies(device: str, dtype: torch.dtype, src: list[int], host: list[int],
-                      dst: list[int]) -> None:
+                      dst: list[int], overlap: bool = False) -> None:
     """Pages offloaded and loaded into other device pages hold the same bits, over chunk
     boundaries, runs of pages that are and are not consecutive (on CUDA: the staged and the
     direct load), and a forward's per-layer wait."""
@@ -155,9 +156,9 @@ def check_pool_copies(device: str, dtype: torch.dtype, src: list[int], host: lis
     pool.offload(src, host)
     for k, v in kv:  # the offload is queued before these writes: it reads the old pages
         k.zero_(), v.zero_()
-    handle = pool.load(host, dst)
+    handle = pool.load(host, dst, overlap=overlap)
     pool.use(handle)
-    for _ in pool.fenced(kv):  # what a forward does: wait for each layer's copy
+    for _ in pool.layers(kv):  # what a forward does: wait for each layer's copy
         pass
     for (k, v), (k0, v0) in zip(kv, before, strict=True):
         kp, k0p = k.view(-1, ps, 2, 8), k0.view(-1, ps, 2, 8)

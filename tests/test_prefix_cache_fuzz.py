@@ -179,7 +179,8 @@ class HostContents:
         for d, h in zip(device_pages, host_pages, strict=True):
             self.host[h] = self.kv[d]
 
-    def load(self, host_pages: list[int], device_pages: list[int]) -> list[int]:
+    def load(self, host_pages: list[int], device_pages: list[int],
+             overlap: bool = False) -> list[int]:
         for h, d in zip(host_pages, device_pages, strict=True):
             self.kv[d] = self.host[h]
         return [1]
