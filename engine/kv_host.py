@@ -37,7 +37,7 @@ import torch
 from engine.prefix_cache import CopyStats
 from kernels.upload import upload
 
-CHUNK_PAGES = 64  # pages per offload staging buffer (loads: 4x, one layer at a time)
+CHUNK_PAGES = 64  # pages per offload staging buffer (loads: 8x, one layer at a time)
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -82,11 +82,11 @@ class HostKVPool:
             self.layer_ready = [torch.cuda.Event(external=True) for _ in range(layers)]
             for event in self.layer_ready:
                 event.record()  # done from the start (a never-recorded event is not waited)
-            # (num_layers, 2, chunk, page_size, H, D) and (2, 4 * chunk, page_size, H, D)
+            # (num_layers, 2, chunk, page_size, H, D) and (2, 8 * chunk, page_size, H, D)
             shape = self.pool.shape
             self._out = [_Buffer((layers, 2, chunk_pages, *shape[3:]), self.pool.dtype,
                                  self.device) for _ in range(2)]
-            self._in = [_Buffer((2, 4 * chunk_pages, *shape[3:]), self.pool.dtype,
+            self._in = [_Buffer((2, 8 * chunk_pages, *shape[3:]), self.pool.dtype,
                                 self.device) for _ in range(2)]
 
     @torch.inference_mode()
@@ -156,7 +156,7 @@ class HostKVPool:
             (idx,) = upload([device_pages], torch.long, self.device)
         events, i = [], 0
         for layer in range(self.pool.shape[0]):
-            for at, dev, host in _chunks(device_pages, host_pages, 4 * self.chunk):
+            for at, dev, host in _chunks(device_pages, host_pages, 8 * self.chunk):
                 buf = self._in[i % 2]
                 i += 1
                 staging = buf.data[:, : len(dev)]  # (2, n, page_size, H, D)
