@@ -182,11 +182,17 @@ class EngineConfig(BaseModel):
         "moves there and is copied back on a hit instead of recomputed (0: off)")
     host_kv_pages: int | None = setting(
         None, ge=0, help="host-tier KV pages (default: sized from --host-kv-gb)")
+    kv_disk_dir: Path | None = setting(
+        None, metavar="DIR", help="disk KV tier under the host tier: sessions' KV kept as "
+        "checked page files, so a restarted server resumes them without re-prefill (needs "
+        "--host-kv-gb)")
 
     @model_validator(mode="after")
     def _check_loras(self) -> EngineConfig:
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")
+        if self.kv_disk_dir is not None and not (self.host_kv_gb or self.host_kv_pages):
+            raise ValueError("kv_disk_dir needs a host tier (host_kv_gb or host_kv_pages)")
         return self
 
     def resolve(self, model: ModelConfig, device: str) -> ResolvedConfig:

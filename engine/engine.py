@@ -10,14 +10,16 @@ prompt fits one step; one that needs chunks hands back to the regular schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
-from engine.config import EngineConfig, ModelLoadError
+from engine.config import EngineConfig, ModelLoadError, ResolvedConfig
 from engine.detokenizer import Decoder, IncrementalDetokenizer
+from engine.kv_disk import DiskKV, fingerprint
 from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
 from engine.model_runner import ModelRunner, Step
@@ -78,7 +80,8 @@ class LLMEngine:
             host_kv_pages=cfg.host_kv_pages if cfg.prefix_cache else 0,
         )
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
-                                        cfg.session_kv_pages, self.runner.host_kv)
+                                        cfg.session_kv_pages, self.runner.host_kv,
+                                        self._disk_tier(cfg, dtype))
         self.scheduler = Scheduler(
             self.allocator,
             cfg.page_size,
@@ -90,6 +93,14 @@ class LLMEngine:
         )
         self._requests: dict[str, Request] = {}
         self._ahead: Step | None = None  # the overlapped decode step in flight
+
+    def _disk_tier(self, cfg: ResolvedConfig, dtype: torch.dtype) -> DiskKV | None:
+        if cfg.kv_disk_dir is None or self.runner.host_kv is None:
+            return None
+        mc = self.model_config
+        shape = (mc.num_layers, 2, cfg.page_size, mc.num_kv_heads, mc.head_dim)
+        model = {**dataclasses.asdict(mc), "path": str(self.model_dir)}
+        return DiskKV(cfg.kv_disk_dir, fingerprint(model, cfg.dtype, shape), shape, dtype)
 
     # -- requests -------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ On a CPU the pool is a second tensor in memory and every copy is done when it re
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +172,35 @@ class HostKVPool:
                     buf.free.record(self.scatter_stream)
             events.append(_record(self.scatter_stream, timing=layer == len(self.kv) - 1))
         return events
+
+    @torch.inference_mode()
+    def snapshot(self, device_pages: list[int]) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A private host copy of device pages, `(n, num_layers, 2, page_size, H, D)`, and a
+        function that returns once the copy is complete (to call off the engine thread)."""
+        if not self.cuda:
+            return self.kv.index_select(2, torch.tensor(device_pages)).permute(
+                2, 0, 1, 3, 4, 5).contiguous(), lambda: None
+        (idx,) = upload([device_pages], torch.long, self.device)
+        staged = self.kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
+        host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+        self.copy_stream.wait_event(_record(torch.cuda.current_stream(self.device)))
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(staged, non_blocking=True)
+            done = _record(self.copy_stream)
+        staged.record_stream(self.copy_stream)
+        return host, done.synchronize
+
+    def host_writes_done(self) -> Callable[[], None]:
+        """A function that returns once the copies queued so far are done: before the host
+        side writes host pages a queued copy may still touch (a disk read into reused ones)."""
+        if not self.cuda:
+            return lambda: None
+        return _record(self.copy_stream).synchronize
+
+    def store(self, host_page: int, page: torch.Tensor) -> None:
+        """Write one page `(num_layers, 2, page_size, H, D)` into host page `host_page` (from
+        the host: a disk read)."""
+        self.pool[:, :, host_page].copy_(page)
 
     @staticmethod
     def done(handle: LoadHandle | None) -> bool:

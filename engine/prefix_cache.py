@@ -26,13 +26,22 @@ are evicted LRU in turn when the host pool is full.
 
 from __future__ import annotations
 
+import logging
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from engine.page_allocator import PageAllocator
 from engine.request import Request
 from sessions.pins import SessionPins
 from sessions.radix_tree import RadixNode, RadixTree
+
+if TYPE_CHECKING:
+    from engine.kv_disk import DiskKV
+
+log = logging.getLogger(__name__)
 
 
 class CopyStats(NamedTuple):
@@ -64,6 +73,21 @@ class HostKV(Protocol):
 
     def copy_stats(self) -> CopyStats: ...
 
+    # The disk tier's needs (engine/kv_disk.py): a private host copy of device pages and a
+    # function returning once it is complete; one that returns once the copies queued so far
+    # are done; writing one page read from disk into a host page.
+    def snapshot(self, device_pages: list[int]) -> tuple[Any, Callable[[], None]]: ...
+
+    def host_writes_done(self) -> Callable[[], None]: ...
+
+    def store(self, host_page: int, page: Any) -> None: ...
+
+
+class _Read(NamedTuple):
+    start: int  # the first page read (the tree held those before it)
+    host_pages: list[int]  # where the pages go, ours until the read is done
+    future: Future  # -> how many pages were good
+
 
 class _Load(NamedTuple):
     node: RadixNode  # the loaded path's end, locked until the request attaches it
@@ -85,18 +109,23 @@ class PrefixCacheStats:
     offloaded_pages: int = 0  # device pages evicted to the host tier (not dropped)
     loaded_pages: int = 0  # pages loaded back from the host tier
     copy: CopyStats = CopyStats()
+    disk_hit_tokens: int = 0  # prompt tokens whose KV was read from the disk tier
+    disk_pages_written: int = 0
+    disk_pages_read: int = 0
+    disk_pages_rejected: int = 0  # page files that did not check out (corrupt, mismatched)
 
 
 class PrefixCache:
     """`enabled=False` keeps the same calls but never matches nor stores anything.
 
     `session_pages`: per-tenant budget of pages that sessions may keep pinned between turns.
-    `host`: the host tier's copier (None: evicted KV is dropped).
+    `host`: the host tier's copier (None: evicted KV is dropped). `disk`: the disk tier under
+    it (sessions' KV as files, kept across restarts; needs `host`).
     """
 
     def __init__(
         self, allocator: PageAllocator, page_size: int, enabled: bool = True,
-        session_pages: int = 0, host: HostKV | None = None,
+        session_pages: int = 0, host: HostKV | None = None, disk: DiskKV | None = None,
     ):
         self.allocator = allocator
         self.page_size = page_size
@@ -106,6 +135,11 @@ class PrefixCache:
         self.host = host if enabled else None
         self.host_allocator = PageAllocator(host.num_pages if self.host else 0)
         self._loading: dict[Request, _Load] = {}  # waiting requests whose prefix is loading
+        self.disk = disk if self.host is not None else None
+        self._reading: dict[Request, _Read] = {}  # waiting requests whose pages are read
+        self._orphans: list[_Read] = []  # reads whose request ended first
+        self._disk_checked: weakref.WeakSet[Request] = weakref.WeakSet()
+        self.disk_hit_tokens = 0
         self.hit_tokens = 0
         self.miss_tokens = 0
         self.host_hit_tokens = 0
@@ -126,6 +160,8 @@ class PrefixCache:
             return overlap or self.host.done(load.handle)
         if self.host is None:
             return True
+        if self.disk is not None and not self._from_disk(req):
+            return False
         nodes = self.tree.host_path(req.namespace, req.token_ids)
         if not nodes or not self.make_room(_num_host_pages(nodes)):
             return True
@@ -140,6 +176,71 @@ class PrefixCache:
         self._loading[req] = _Load(nodes[-1], n, handle)
         self.loaded_pages += n
         return overlap or self.host.done(handle)
+
+    # -- reading from the disk tier -------------------------------------------------------
+
+    def _from_disk(self, req: Request) -> bool:
+        """A session turn whose prefix goes on in page files past what the tree holds reads
+        them into host pages (False until done); they then join the tree as host-only nodes,
+        and load like any. Checked once per request."""
+        assert self.disk is not None and self.host is not None
+        self._reap_orphans()
+        read = self._reading.get(req)
+        if read is not None:
+            if not read.future.done():
+                return False
+            del self._reading[req]
+            good = self._read_result(read)
+            if good:
+                given = read.host_pages[:good]
+                back = self.tree.insert_host(req.namespace, req.token_ids, read.start, given)
+                self.host_allocator.free(back)
+                self.disk_hit_tokens += (good - len(back)) * self.page_size
+            return True
+        if req.session_id is None or req in self._disk_checked:
+            return True
+        self._disk_checked.add(req)
+        ps, full = self.page_size, len(req.token_ids) // self.page_size
+        have = self.tree.cached_tokens(req.namespace, req.token_ids) // ps
+        if not self.disk.index or have >= full:
+            return True
+        keys = self.disk.keys(req.namespace, req.token_ids, ps, full)[have:]
+        n = self.disk.num_on_disk(keys)
+        host_pages = self._host_room(n, keep=None) if n else None
+        if host_pages is None:
+            return True
+        store = self.host.store
+        future = self.disk.read(keys[:n], lambda i, page: store(host_pages[i], page),
+                                before=self.host.host_writes_done())
+        self._reading[req] = _Read(have, host_pages, future)
+        return False
+
+    def _read_result(self, read: _Read) -> int:
+        """How many pages of a finished read are good; frees the host pages of the rest."""
+        try:
+            good = read.future.result()
+        except Exception:  # noqa: BLE001 - a failed read costs a recompute, nothing else
+            log.exception("reading KV pages from disk failed")
+            good = 0
+        self.host_allocator.free(read.host_pages[good:])
+        return good
+
+    def _reap_orphans(self) -> None:
+        """Free the host pages of finished reads whose request ended first."""
+        done = [r for r in self._orphans if r.future.done()]
+        self._orphans = [r for r in self._orphans if not r.future.done()]
+        for read in done:
+            self.host_allocator.free(read.host_pages[: self._read_result(read)])
+
+    def _to_disk(self, req: Request) -> None:
+        """Write a finished session turn's cached pages that no file holds yet."""
+        if self.disk is None or self.host is None or not req.num_cached_pages:
+            return
+        keys = self.disk.keys(req.namespace, req.token_ids, self.page_size, req.num_cached_pages)
+        missing = self.disk.missing(keys)
+        if missing:
+            pages, ready = self.host.snapshot([req.pages[i] for i in missing])
+            self.disk.write([keys[i] for i in missing], pages, ready)
 
     def _drop_load(self, req: Request) -> int:
         """Forget `req`'s load: it was attached, or it ended first. Either way the next forward
@@ -207,9 +308,13 @@ class PrefixCache:
         """
         self.commit(req)
         self._drop_load(req)  # a waiting request that ends while its prefix loads
+        read = self._reading.pop(req, None)  # ... or while its pages are read from disk
+        if read is not None:
+            self._orphans.append(read)
         if req.session_id is not None and req.cache_node is not None and req.finished:
             self.pins.pin(req.tenant, req.session_id, req.cache_node)
             self._write_through(req.cache_node)
+            self._to_disk(req)
         self._free_own_and_unlock(req)
 
     def _write_through(self, node: RadixNode) -> None:
@@ -305,6 +410,10 @@ class PrefixCache:
             offloaded_pages=self.tree.offloaded_pages,
             loaded_pages=self.loaded_pages,
             copy=self.host.copy_stats() if self.host else CopyStats(),
+            disk_hit_tokens=self.disk_hit_tokens,
+            disk_pages_written=self.disk.pages_written if self.disk else 0,
+            disk_pages_read=self.disk.pages_read if self.disk else 0,
+            disk_pages_rejected=self.disk.rejected_pages if self.disk else 0,
         )
 
 

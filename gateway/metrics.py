@@ -122,14 +122,23 @@ class _PrefixCacheCollector:
 
 
 def _kv_tier_metrics(p: PrefixCacheStats) -> Iterator[Metric]:
-    """Per tier (device, host): prompt tokens served, pages held; per direction: bytes copied
-    between the tiers and the seconds the copies took (bandwidth: their ratio)."""
+    """Per tier (device, host, disk): prompt tokens served, pages held or moved; per direction:
+    bytes copied between device and host and the seconds the copies took (bandwidth: their
+    ratio)."""
     hits = CounterMetricFamily("switchboard_kv_tier_hit_tokens",
                                "Prompt tokens served from cached KV, by the tier it was on",
                                labels=["tier"])
     hits.add_metric(["device"], p.hit_tokens - p.host_hit_tokens)
     hits.add_metric(["host"], p.host_hit_tokens)
+    hits.add_metric(["disk"], p.disk_hit_tokens)  # read from disk, then loaded as host hits
     yield hits
+    disk = CounterMetricFamily("switchboard_kv_tier_disk_pages",
+                               "KV page files of the disk tier: written, read, and rejected "
+                               "(corrupt or another model, dtype or layout)", labels=["op"])
+    for op, n in [("written", p.disk_pages_written), ("read", p.disk_pages_read),
+                  ("rejected", p.disk_pages_rejected)]:
+        disk.add_metric([op], n)
+    yield disk
     pages = GaugeMetricFamily("switchboard_kv_tier_pages", "KV pages the prefix cache holds, "
                               "by tier (a page may have a copy on both)", labels=["tier"])
     pages.add_metric(["device"], p.cached_pages)

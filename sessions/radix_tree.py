@@ -172,6 +172,10 @@ class RadixTree:
         path, _ = self._walk(namespace, tokens)
         return [n for n in path if n.host_only]
 
+    def cached_tokens(self, namespace: Hashable, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the tree holds, on either tier. Moves nothing."""
+        return self._walk(namespace, tokens)[1]
+
     # -- ownership transfers ---------------------------------------------------------------
 
     def insert(
@@ -222,6 +226,29 @@ class RadixTree:
             self._owner.update(dict.fromkeys(rest, leaf))
             node = leaf
         return InsertResult(pos, tree_pages + rest, duplicates, node)
+
+    def insert_host(self, namespace: Hashable, tokens: Sequence[int], start: int,
+                    host_pages: list[int]) -> list[int]:
+        """Cache host pages (read from disk) for full pages `start ..` of `tokens`, below the
+        tree's path for the pages before them, as a host-only leaf. Returns the host pages the
+        tree did not take (it already holds those positions, or no longer holds the path up
+        to `start`): the caller frees them."""
+        ps = self.page_size
+        end = start + len(host_pages)
+        key = self._full_pages(tokens)[: end * ps]
+        if start * ps > len(key) or any(p in self._host_owner for p in host_pages):
+            raise ValueError("insert_host takes host pages the tree does not own, in range")
+        root = self._roots.setdefault(namespace, RadixNode((), [], None))
+        path, pos = self._walk(namespace, key)
+        have = pos // ps
+        if have < start or have >= end:
+            self._prune_roots()
+            return list(host_pages)
+        parent = path[-1] if path else root
+        leaf = RadixNode(key[pos:], [], parent, self._clock, host_pages=host_pages[have - start :])
+        parent.children[leaf.key[:ps]] = leaf
+        self._host_owner.update(dict.fromkeys(leaf.host_pages, leaf))
+        return host_pages[: have - start]
 
     def promote(self, nodes: list[RadixNode], pages: list[int]) -> None:
         """Give host-only `nodes` (from `host_path`, in order) the device `pages` the caller is

@@ -219,3 +219,74 @@ def test_sessions_resume_from_the_host_tier_over_http(tier_server):
     assert after[host_hits] > before[host_hits]
     assert after['switchboard_kv_tier_copy_bytes_total{direction="to_device"}'] > 0
     assert after["switchboard_kv_tier_host_pages_total"] == 256
+
+
+# -- the disk tier: sessions across a restart ----------------------------------------------
+
+
+def _session_turns(engine, prompts, session="S"):
+    """A session's first turn on `prompts[0]`; returns the second turn's prompt."""
+    reply, _ = run(engine, prompts[0], session=session)
+    return prompts[0] + reply + engine.tokenizer.encode(" And the next row?")
+
+
+def test_a_restarted_engine_resumes_sessions_from_disk(smollm2_dir, prompts, tmp_path):
+    """Engine A writes a session's KV through to disk; engine B, started fresh on the same
+    folder, computes the next turn from the files: the same tokens as a cold run."""
+    kw = dict(model=str(smollm2_dir), max_num_seqs=4, num_pages=DEVICE_PAGES, host_kv_pages=64,
+              kv_disk_dir=tmp_path)
+    a = LLM(**kw).engine
+    turn = _session_turns(a, prompts)
+    a.prefix_cache.disk.flush()
+    written = a.prefix_cache.stats().disk_pages_written
+    assert written >= len(prompts[0]) // 16
+    cold = run(a, turn, tenant="cold")  # another tenant: nothing cached
+    del a
+
+    b = LLM(**kw).engine
+    tokens, cached = run(b, turn, session="S2")
+    assert tokens == cold[0]
+    assert cached >= len(prompts[0]) - 16
+    stats = b.prefix_cache.stats()
+    assert stats.disk_hit_tokens >= len(prompts[0]) - 16 and stats.disk_pages_rejected == 0
+    check_owners(b)
+    b.release_session("S2")
+    b.reset_prefix_cache()
+    assert b.prefix_cache.host_allocator.num_used == 0
+
+
+def test_corrupt_or_foreign_page_files_are_refused(smollm2_dir, prompts, tmp_path):
+    """A page file whose payload changed, or one written for another model, is not used: the
+    request computes from there on, with the tokens of a cold run."""
+    kw = dict(model=str(smollm2_dir), max_num_seqs=4, num_pages=DEVICE_PAGES, host_kv_pages=64,
+              kv_disk_dir=tmp_path)
+    a = LLM(**kw).engine
+    turn = _session_turns(a, prompts)
+    a.prefix_cache.disk.flush()
+    cold = run(a, turn, tenant="cold")
+    disk = a.prefix_cache.disk
+    keys = disk.keys(("default", None, 0), turn, 16, len(prompts[0]) // 16)
+    del a
+    bad = disk.dir / f"{keys[5]}.kvpage"
+    data = bytearray(bad.read_bytes())
+    data[-7] ^= 0xFF  # one byte of the payload
+    bad.write_bytes(bytes(data))
+
+    b = LLM(**kw).engine
+    tokens, cached = run(b, turn, session="S2")
+    assert tokens == cold[0]
+    assert 5 * 16 <= cached < 6 * 16  # the pages before the corrupt one only
+    assert b.prefix_cache.stats().disk_pages_rejected == 1
+    del b
+
+    # Another model's files: the same folder, another fingerprint (dtype) sees none of them.
+    c = LLM(**{**kw, "dtype": "bfloat16"}).engine
+    assert c.prefix_cache.disk.dir != disk.dir and not c.prefix_cache.disk.index
+    # ... and a file copied across under its names is refused by its header.
+    theirs = c.prefix_cache.disk.keys(("default", None, 0), turn, 16, len(keys))
+    for mine, other in zip(keys, theirs, strict=True):
+        (c.prefix_cache.disk.dir / f"{other}.kvpage").write_bytes(
+            (disk.dir / f"{mine}.kvpage").read_bytes())
+    c.prefix_cache.disk.index = set(theirs)
+    _, cached = run(c, turn, session="S3")
+    assert cached == 0 and c.prefix_cache.stats().disk_pages_rejected == 1

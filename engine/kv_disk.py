@@ -1,0 +1,137 @@
+"""The disk tier: sessions' KV pages kept as files under the host tier, so a restarted replica
+resumes its sessions without re-prefill (engine/prefix_cache.py drives it).
+
+A page's file is named by a chain hash: the model's fingerprint, the namespace, then the
+tokens of every page up to and including this one (a page's KV depends on all of them). The
+file holds a header line (format, fingerprint, key, shape, dtype, the payload's sha256) and the
+page's K and V of every layer, `(num_layers, 2, page_size, kv_heads, head_dim)`. A file is
+used only when all of these check out; a page that does not (corrupt, truncated, another
+model, dtype or layout) is counted in `rejected_pages` and ends the read there: the request
+computes the rest. Files are written whole under a temporary name, then renamed.
+
+Only sessions are written (their KV, write-through, when a turn ends), from a private host
+snapshot, on one writer thread; reads run on a reader thread into host pages the caller owns
+until they are done. Namespaces hold an adapter's registration number, so KV under an adapter
+is not found again after a restart (the base model's is).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from array import array
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+MAGIC = b"switchboard-kv-page 1\n"
+
+
+def fingerprint(model: dict, dtype: str, page_shape: Sequence[int]) -> str:
+    """What a page file must match: the model's config and location, the dtype, the layout."""
+    text = json.dumps({"model": model, "dtype": dtype, "page": list(page_shape)}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class DiskKV:
+    """Page files of one fingerprint under `root`."""
+
+    def __init__(self, root: Path, fingerprint: str, page_shape: Sequence[int],
+                 dtype: torch.dtype):
+        self.fingerprint = fingerprint
+        self.page_shape = tuple(page_shape)  # (num_layers, 2, page_size, kv_heads, head_dim)
+        self.dtype = dtype
+        self.dir = Path(root) / fingerprint[:16]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.index: set[str] = {p.stem for p in self.dir.glob("*.kvpage")}  # keys on disk
+        self.pending: set[str] = set()  # keys being written
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
+        self.pages_written = self.pages_read = self.rejected_pages = 0
+
+    def keys(self, namespace: Hashable, tokens: Sequence[int], page_size: int,
+             num_pages: int) -> list[str]:
+        """The keys of the first `num_pages` full pages of `tokens` in `namespace`."""
+        h = hashlib.sha256(f"{self.fingerprint}\n{namespace!r}\n".encode())
+        out = []
+        for i in range(num_pages):
+            h.update(array("q", tokens[i * page_size : (i + 1) * page_size]).tobytes())
+            out.append(h.copy().hexdigest())
+        return out
+
+    def num_on_disk(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, have a file."""
+        n = 0
+        while n < len(keys) and keys[n] in self.index:
+            n += 1
+        return n
+
+    def missing(self, keys: Sequence[str]) -> list[int]:
+        """Indices of `keys` with no file, written or being written."""
+        return [i for i, k in enumerate(keys) if k not in self.index and k not in self.pending]
+
+    def write(self, keys: list[str], pages: torch.Tensor, ready: Callable[[], None]) -> None:
+        """Write `pages` (n, *page_shape), on the host, as `keys`' files, once `ready()` (run on
+        the writer thread) returns: the snapshot is complete."""
+        self.pending.update(keys)
+        self._writer.submit(self._write, keys, pages, ready)
+
+    def _write(self, keys: list[str], pages: torch.Tensor, ready: Callable[[], None]) -> None:
+        ready()
+        for key, page in zip(keys, pages, strict=True):
+            payload = page.contiguous().view(torch.uint8).numpy().tobytes()
+            header = {"fingerprint": self.fingerprint, "key": key, "shape": self.page_shape,
+                      "dtype": str(self.dtype), "sha256": hashlib.sha256(payload).hexdigest()}
+            tmp = self.dir / f".{key}.tmp"
+            with tmp.open("wb") as f:
+                f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
+            os.replace(tmp, self.dir / f"{key}.kvpage")
+            self.index.add(key)
+            self.pending.discard(key)
+            self.pages_written += 1
+
+    def read(self, keys: list[str], store: Callable[[int, torch.Tensor], None],
+             before: Callable[[], None]) -> Future:
+        """Read `keys`' pages in order, passing each good one to `store(i, page)` on the reader
+        thread after `before()` returned; the future's result is how many were good (the read
+        stops at the first that is missing or does not check out)."""
+        return self._reader.submit(self._read, keys, store, before)
+
+    def _read(self, keys: list[str], store: Callable[[int, torch.Tensor], None],
+              before: Callable[[], None]) -> int:
+        before()
+        for i, key in enumerate(keys):
+            page = self._load(key)
+            if page is None:
+                self.rejected_pages += 1
+                return i
+            store(i, page)
+            self.pages_read += 1
+        return len(keys)
+
+    def _load(self, key: str) -> torch.Tensor | None:
+        try:
+            data = (self.dir / f"{key}.kvpage").read_bytes()
+        except OSError:
+            return None
+        if not data.startswith(MAGIC):
+            return None
+        line_end = data.find(b"\n", len(MAGIC))
+        try:
+            header = json.loads(data[len(MAGIC) : line_end])
+        except ValueError:
+            return None
+        payload = data[line_end + 1 :]
+        want = {"fingerprint": self.fingerprint, "key": key, "shape": list(self.page_shape),
+                "dtype": str(self.dtype), "sha256": hashlib.sha256(payload).hexdigest()}
+        if header != want:
+            return None
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
+            self.dtype).view(self.page_shape)
+
+    def flush(self) -> None:
+        """Wait for the writes queued so far (tests, shutdown)."""
+        self._writer.submit(lambda: None).result()
