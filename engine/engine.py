@@ -300,10 +300,12 @@ class LLMEngine:
         return bool(self.grammar.forced_tokens(req, self._tokens_left(req)))
 
     def _wait_for_background(self, timeout: float) -> None:
-        """Nothing could run: wait for an adapter read or a grammar compile to finish instead
-        of spinning (a spinning loop steals the CPU those need)."""
+        """Nothing could run: wait for an adapter read, a grammar compile or a KV read from
+        disk to finish instead of spinning (a spinning loop steals the CPU, and the GIL, those
+        need)."""
         pending = self.adapters.pending_loads()
         pending += [r.pending_grammar for r in self.scheduler.waiting if r.pending_grammar]
+        pending += self.prefix_cache.pending_reads()
         if pending:
             wait(pending, timeout, return_when=FIRST_COMPLETED)
 

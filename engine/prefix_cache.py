@@ -215,6 +215,10 @@ class PrefixCache:
         self._reading[req] = _Read(have, host_pages, future)
         return False
 
+    def pending_reads(self) -> list[Future]:
+        """The disk reads waiting requests wait for (an idle engine loop waits on them)."""
+        return [r.future for r in self._reading.values() if not r.future.done()]
+
     def _read_result(self, read: _Read) -> int:
         """How many pages of a finished read are good; frees the host pages of the rest."""
         try:
