@@ -50,7 +50,7 @@ def main() -> None:
     text = "Tool result: " + ", ".join(f"row {i} has value {i * 7 % 13}" for i in range(args.rows))
     prompt = a.tokenizer.encode(text)
     _, reply = ttft(a, prompt, session="S")
-    a.prefix_cache.disk.flush()
+    a.prefix_cache.tiers.disk.flush()
     written = a.prefix_cache.stats().disk_pages_written
     turn = prompt + reply + a.tokenizer.encode(" And the next row?")
     del a

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.prefix_cache import CopyStats
+from engine.kv_tiers import CopyStats
 from kernels.upload import upload
 
 CHUNK_PAGES = 64  # pages per offload staging buffer (loads: 8x, one layer at a time)

@@ -43,14 +43,14 @@ def engine(tiered):
     check_owners(tiered)
     tiered.reset_prefix_cache()
     cache = tiered.prefix_cache
-    assert tiered.allocator.num_used == 0 and cache.host_allocator.num_used == 0
+    assert tiered.allocator.num_used == 0 and cache.tiers.host_allocator.num_used == 0
 
 
 def check_owners(engine) -> None:
     """Every used page of either pool belongs to the tree, once."""
     cache = engine.prefix_cache
     host = [p for _, p in cache.tree.iter_host_pages()]
-    assert len(host) == len(set(host)) == cache.host_allocator.num_used
+    assert len(host) == len(set(host)) == cache.tiers.host_allocator.num_used
     device = [p for _, p in cache.tree.iter_pages()]
     assert len(device) == len(set(device)) == engine.allocator.num_used
 
@@ -118,7 +118,8 @@ def test_full_host_tier_evicts_its_lru(smollm2_dir, prompts):
                  host_kv_pages=24).engine
     cold = [run(engine, p)[0] for p in prompts]
     cache = engine.prefix_cache
-    assert cache.tree.host_pages <= 24 and cache.host_allocator.num_used == cache.tree.host_pages
+    assert cache.tree.host_pages <= 24
+    assert cache.tiers.host_allocator.num_used == cache.tree.host_pages
     for p, tokens in zip(prompts, cold, strict=True):
         assert run(engine, p)[0] == tokens
         check_owners(engine)
@@ -237,7 +238,7 @@ def test_a_restarted_engine_resumes_sessions_from_disk(smollm2_dir, prompts, tmp
               kv_disk_dir=tmp_path)
     a = LLM(**kw).engine
     turn = _session_turns(a, prompts)
-    a.prefix_cache.disk.flush()
+    a.prefix_cache.tiers.disk.flush()
     written = a.prefix_cache.stats().disk_pages_written
     assert written >= len(prompts[0]) // 16
     cold = run(a, turn, tenant="cold")  # another tenant: nothing cached
@@ -252,7 +253,7 @@ def test_a_restarted_engine_resumes_sessions_from_disk(smollm2_dir, prompts, tmp
     check_owners(b)
     b.release_session("S2")
     b.reset_prefix_cache()
-    assert b.prefix_cache.host_allocator.num_used == 0
+    assert b.prefix_cache.tiers.host_allocator.num_used == 0
 
 
 def test_corrupt_or_foreign_page_files_are_refused(smollm2_dir, prompts, tmp_path):
@@ -262,9 +263,9 @@ def test_corrupt_or_foreign_page_files_are_refused(smollm2_dir, prompts, tmp_pat
               kv_disk_dir=tmp_path)
     a = LLM(**kw).engine
     turn = _session_turns(a, prompts)
-    a.prefix_cache.disk.flush()
+    a.prefix_cache.tiers.disk.flush()
     cold = run(a, turn, tenant="cold")
-    disk = a.prefix_cache.disk
+    disk = a.prefix_cache.tiers.disk
     keys = disk.keys(("default", None, 0), turn, 16, len(prompts[0]) // 16)
     del a
     bad = disk.dir / f"{keys[5]}.kvpage"
@@ -281,13 +282,13 @@ def test_corrupt_or_foreign_page_files_are_refused(smollm2_dir, prompts, tmp_pat
 
     # Another model's files: the same folder, another fingerprint (dtype) sees none of them.
     c = LLM(**{**kw, "dtype": "bfloat16"}).engine
-    assert c.prefix_cache.disk.dir != disk.dir and not c.prefix_cache.disk.index
+    assert c.prefix_cache.tiers.disk.dir != disk.dir and not c.prefix_cache.tiers.disk.index
     # ... and a file copied across under its names is refused by its header.
-    theirs = c.prefix_cache.disk.keys(("default", None, 0), turn, 16, len(keys))
+    theirs = c.prefix_cache.tiers.disk.keys(("default", None, 0), turn, 16, len(keys))
     for mine, other in zip(keys, theirs, strict=True):
-        (c.prefix_cache.disk.dir / f"{other}.kvpage").write_bytes(
+        (c.prefix_cache.tiers.disk.dir / f"{other}.kvpage").write_bytes(
             (disk.dir / f"{mine}.kvpage").read_bytes())
-    c.prefix_cache.disk.index = set(theirs)
+    c.prefix_cache.tiers.disk.index = set(theirs)
     _, cached = run(c, turn, session="S3")
     assert cached == 0 and c.prefix_cache.stats().disk_pages_rejected == 1
 

@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine.kv_tiers import CopyStats
 from engine.page_allocator import OutOfPagesError, PageAllocator
-from engine.prefix_cache import CopyStats, PrefixCache
+from engine.prefix_cache import PrefixCache
 from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -209,7 +210,7 @@ class HostTierMachine(CacheMachine):
         tree = list(self.cache.tree.iter_host_pages())
         pages = [p for _, p in tree]
         assert len(pages) == len(set(pages)), "a host page has two owners"
-        assert self.cache.host_allocator.num_used == len(pages), "a host page leaked"
+        assert self.cache.tiers.host_allocator.num_used == len(pages), "a host page leaked"
         assert self.host is not None
         for ns, page in tree:
             assert self.host.host[page][0] == ns, "a host page kept under another namespace"
@@ -223,7 +224,7 @@ class HostTierMachine(CacheMachine):
 
     def teardown(self) -> None:
         super().teardown()
-        assert self.cache.host_allocator.num_used == 0
+        assert self.cache.tiers.host_allocator.num_used == 0
 
 
 class HostTierMachinePage3(HostTierMachine):
