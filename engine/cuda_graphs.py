@@ -14,6 +14,8 @@ grid reads faster). Graphs are keyed `(size, LoRA kernel or None)`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -25,7 +27,7 @@ from kernels.upload import Staging
 from lora.batch import SEGMENTED_MAX_SEGMENTS, LoraBatchInfo, graph_kernel
 from lora.layers import LoraContext
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # iterated once per forward, layer by layer
 
 
 def capture_graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
