@@ -186,6 +186,9 @@ class EngineConfig(BaseModel):
         None, metavar="DIR", help="disk KV tier under the host tier: sessions' KV kept as "
         "checked page files, so a restarted server resumes them without re-prefill (needs "
         "--host-kv-gb)")
+    kv_disk_gb: float | None = setting(
+        None, gt=0, metavar="GB", help="most the disk KV tier keeps; the least recently used "
+        "page files go first (default: no bound)")
 
     @model_validator(mode="after")
     def _check_loras(self) -> EngineConfig:

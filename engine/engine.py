@@ -100,7 +100,8 @@ class LLMEngine:
         mc = self.model_config
         shape = (mc.num_layers, 2, cfg.page_size, mc.num_kv_heads, mc.head_dim)
         model = {**dataclasses.asdict(mc), "path": str(self.model_dir)}
-        return DiskKV(cfg.kv_disk_dir, fingerprint(model, cfg.dtype, shape), shape, dtype)
+        cap = int(cfg.kv_disk_gb * 2**30) if cfg.kv_disk_gb else None
+        return DiskKV(cfg.kv_disk_dir, fingerprint(model, cfg.dtype, shape), shape, dtype, cap)
 
     # -- requests -------------------------------------------------------------------------
 

@@ -10,9 +10,11 @@ model, dtype or layout) is counted in `rejected_pages` and ends the read there: 
 computes the rest. Files are written whole under a temporary name, then renamed.
 
 Only sessions are written (their KV, write-through, when a turn ends), from a private host
-snapshot, on one writer thread; reads run on a reader thread into host pages the caller owns
-until they are done. Namespaces hold an adapter's registration number, so KV under an adapter
-is not found again after a restart (the base model's is).
+snapshot, on one writer thread, which then deletes the least recently used files (by
+modification time; a read touches its files) while the folder holds more than `max_bytes`.
+Reads run on a reader thread into host pages the caller owns until they are done. Namespaces
+hold an adapter's registration number, so KV under an adapter is not found again after a
+restart (the base model's is).
 """
 
 from __future__ import annotations
@@ -40,17 +42,19 @@ class DiskKV:
     """Page files of one fingerprint under `root`."""
 
     def __init__(self, root: Path, fingerprint: str, page_shape: Sequence[int],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, max_bytes: int | None = None):
         self.fingerprint = fingerprint
         self.page_shape = tuple(page_shape)  # (num_layers, 2, page_size, kv_heads, head_dim)
         self.dtype = dtype
         self.dir = Path(root) / fingerprint[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.index: set[str] = {p.stem for p in self.dir.glob("*.kvpage")}  # keys on disk
+        self.max_bytes = max_bytes  # None: no bound
+        self.nbytes = sum(self._size(k) for k in self.index)
         self.pending: set[str] = set()  # keys being written
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
-        self.pages_written = self.pages_read = self.rejected_pages = 0
+        self.pages_written = self.pages_read = self.rejected_pages = self.pages_deleted = 0
 
     def keys(self, namespace: Hashable, tokens: Sequence[int], page_size: int,
              num_pages: int) -> list[str]:
@@ -89,9 +93,31 @@ class DiskKV:
             with tmp.open("wb") as f:
                 f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
             os.replace(tmp, self.dir / f"{key}.kvpage")
+            self.nbytes += self._size(key)
             self.index.add(key)
             self.pending.discard(key)
             self.pages_written += 1
+        self._trim()
+
+    def _trim(self) -> None:
+        """Delete the least recently used files while the folder holds over `max_bytes`."""
+        if self.max_bytes is None or self.nbytes <= self.max_bytes:
+            return
+        files = sorted(self.dir.glob("*.kvpage"), key=lambda f: f.stat().st_mtime)
+        for f in files:
+            if self.nbytes <= self.max_bytes:
+                break
+            size = f.stat().st_size
+            self.index.discard(f.stem)
+            f.unlink(missing_ok=True)
+            self.nbytes -= size
+            self.pages_deleted += 1
+
+    def _size(self, key: str) -> int:
+        try:
+            return (self.dir / f"{key}.kvpage").stat().st_size
+        except OSError:
+            return 0
 
     def read(self, keys: list[str], store: Callable[[int, torch.Tensor], None],
              before: Callable[[], None]) -> Future:
@@ -113,8 +139,10 @@ class DiskKV:
         return len(keys)
 
     def _load(self, key: str) -> torch.Tensor | None:
+        path = self.dir / f"{key}.kvpage"
         try:
-            data = (self.dir / f"{key}.kvpage").read_bytes()
+            data = path.read_bytes()
+            os.utime(path)  # recently used: trimmed last
         except OSError:
             return None
         if not data.startswith(MAGIC):

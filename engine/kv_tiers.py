@@ -215,6 +215,7 @@ class KVTiers:
             disk_pages_written=disk.pages_written if disk else 0,
             disk_pages_read=disk.pages_read if disk else 0,
             disk_pages_rejected=disk.rejected_pages if disk else 0,
+            disk_pages_deleted=disk.pages_deleted if disk else 0,
         )
 
     # -- a request's part ----------------------------------------------------------------

@@ -52,6 +52,7 @@ class PrefixCacheStats:
     disk_pages_written: int = 0
     disk_pages_read: int = 0
     disk_pages_rejected: int = 0  # page files that did not check out (corrupt, mismatched)
+    disk_pages_deleted: int = 0  # page files removed to keep the tier within its size
 
 
 class PrefixCache:

@@ -133,10 +133,11 @@ def _kv_tier_metrics(p: PrefixCacheStats) -> Iterator[Metric]:
     hits.add_metric(["disk"], p.disk_hit_tokens)  # read from disk, then loaded as host hits
     yield hits
     disk = CounterMetricFamily("switchboard_kv_tier_disk_pages",
-                               "KV page files of the disk tier: written, read, and rejected "
-                               "(corrupt or another model, dtype or layout)", labels=["op"])
+                               "KV page files of the disk tier: written, read, rejected "
+                               "(corrupt or another model, dtype or layout) and deleted (over "
+                               "--kv-disk-gb)", labels=["op"])
     for op, n in [("written", p.disk_pages_written), ("read", p.disk_pages_read),
-                  ("rejected", p.disk_pages_rejected)]:
+                  ("rejected", p.disk_pages_rejected), ("deleted", p.disk_pages_deleted)]:
         disk.add_metric([op], n)
     yield disk
     pages = GaugeMetricFamily("switchboard_kv_tier_pages", "KV pages the prefix cache holds, "

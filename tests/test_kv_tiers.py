@@ -321,3 +321,29 @@ def test_disk_round_trip_is_exact(device, tmp_path):
         pass
     after = kv_pool.view(layers, 2, pages + 1, ps, 2, 8)[:, :, dst]
     assert torch.equal(after, before)
+
+
+def test_disk_tier_keeps_to_its_size_least_recently_used_first(tmp_path):
+    """Over `max_bytes`, the files least recently written or read go first; a restarted
+    tier counts what the folder holds."""
+    import os
+
+    from engine.kv_disk import DiskKV
+
+    shape = (2, 2, 4, 1, 8)
+    disk = DiskKV(tmp_path, "a" * 64, shape, torch.float32)
+    keys = disk.keys("ns", list(range(20)), 4, 5)
+    disk.write(keys, torch.randn(5, *shape), lambda: None)
+    disk.flush()
+    assert disk.index == set(keys) and disk.pages_written == 5
+    size = (disk.dir / f"{keys[0]}.kvpage").stat().st_size
+    assert disk.nbytes == 5 * size
+    for i, key in enumerate(keys):  # written at t = 1..5
+        os.utime(disk.dir / f"{key}.kvpage", (i + 1, i + 1))
+    got = []
+    assert disk.read(keys[:1], lambda i, page: got.append(page), before=lambda: None).result() == 1
+    disk.max_bytes = 3 * size
+    disk._trim()
+    assert disk.index == {keys[0], keys[3], keys[4]} and disk.pages_deleted == 2
+    assert {f.stem for f in disk.dir.glob("*.kvpage")} == disk.index
+    assert DiskKV(tmp_path, "a" * 64, shape, torch.float32).nbytes == 3 * size
