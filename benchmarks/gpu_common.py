@@ -224,6 +224,23 @@ def profile(fn: Callable[[], Any], top: int = 6) -> dict[str, Any]:
                     for e in kernels[:top]]}
 
 
+def first_token(eng: Any, rid: str, prompt: list[int],
+                session: str | None = None) -> tuple[float, int, int]:
+    """Run one greedy request of one token on an idle engine: (seconds to its first token,
+    that token, its cached prompt tokens). The clock starts with the device idle."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    eng.add_request(rid, prompt, greedy(1), session_id=session)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == rid and o.new_token_ids:
+                dt = time.perf_counter() - t
+                while eng.has_unfinished_requests():
+                    eng.step()
+                return dt, o.new_token_ids[0], o.num_cached_tokens
+    raise RuntimeError(f"request {rid} finished without a token")
+
+
 def greedy(max_tokens: int, adapter: str | None = None, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, adapter=adapter,
                           **kw)

@@ -21,6 +21,7 @@ from gpu_common import (
     adapter_bytes,
     copy_bandwidth,
     decode_round,
+    first_token,
     greedy,
     kv_bytes_per_token,
     profile,
@@ -310,17 +311,7 @@ def session_ttft(llm: LLM, s: Section, vocab: int, history: int = 4096, turn: in
     eng = llm.engine
 
     def ttft(rid: str, prompt: list[int], session: str) -> tuple[float, int]:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        eng.add_request(rid, prompt, greedy(1), session_id=session)
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.request_id == rid and o.new_token_ids:
-                    dt = time.perf_counter() - t
-                    while eng.has_unfinished_requests():
-                        eng.step()
-                    return dt, o.new_token_ids[0]
-        raise RuntimeError(f"request {rid} finished without a token")
+        return first_token(eng, rid, prompt, session)[:2]
 
     cold, warm = [], []
     for k in range(4):  # the first pair is a warm-up

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_common import Recorder, greedy, random_prompts
+from gpu_common import Recorder, first_token, greedy, random_prompts
 
 from engine import LLM
 from engine.kv_host import HostKVPool
@@ -136,17 +136,7 @@ def measure(model: str, history: int, turn: int) -> dict:
     vocab = eng.model_config.vocab_size
 
     def ttft(rid: str, prompt: list[int], session: str) -> tuple[float, int, int]:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        eng.add_request(rid, prompt, greedy(1), session_id=session)
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.request_id == rid and o.new_token_ids:
-                    dt = time.perf_counter() - t
-                    while eng.has_unfinished_requests():
-                        eng.step()
-                    return dt, o.new_token_ids[0], o.num_cached_tokens
-        raise RuntimeError(f"request {rid} finished without a token")
+        return first_token(eng, rid, prompt, session)
 
     cold, cached, host, hits, eager = [], [], [], [], []
     cache = eng.prefix_cache

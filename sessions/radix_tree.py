@@ -55,10 +55,6 @@ class RadixNode:
         return self.lock_ref > 0 or self.pin_ref > 0
 
     @property
-    def on_device(self) -> bool:
-        return bool(self.pages) or self.parent is None
-
-    @property
     def host_only(self) -> bool:
         return not self.pages and self.parent is not None
 

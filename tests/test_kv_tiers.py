@@ -4,30 +4,14 @@ device, the host or nowhere; tenants never share; no page leaks on either tier."
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.kv_host import HostKVPool, _paired_runs, _runs
+from tests.test_prefix_cache_model import run
 
-_ids = itertools.count()
 DEVICE_PAGES = 64  # 1,024 tokens at 16 a page: three of the prompts below do not fit together
-
-
-def run(engine, prompt, tenant="default", session=None, max_tokens=8):
-    """Run one request alone; returns (token ids, cached prompt tokens)."""
-    rid = f"kt-{next(_ids)}"
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    engine.add_request(rid, prompt, params, tenant, session_id=session)
-    tokens, cached = [], None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == rid:
-                tokens += out.new_token_ids
-                cached = out.num_cached_tokens
-    return tokens, cached
 
 
 @pytest.fixture(scope="module")
