@@ -68,6 +68,7 @@ class HostKVPool:
                                 dtype=kv_pool.dtype, pin_memory=self.cuda)
         self.page_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
         self._due: list[LoadHandle] = []  # loads the next forward must wait for, per layer
+        self._overlapped = False  # an overlapped load no eager forward has waited for yet
         # (to_host, bytes, start, end) events of CUDA copies not yet added to the totals
         self._timing: list[tuple[bool, int, torch.cuda.Event, torch.cuda.Event]] = []
         self._bytes = {True: 0, False: 0}  # to_host -> bytes copied
@@ -147,6 +148,7 @@ class HostKVPool:
             for ready, event in zip(self.layer_ready, events, strict=True):
                 self.scatter_stream.wait_event(event)
                 ready.record(self.scatter_stream)
+            self._overlapped = True
         return LoadHandle(events, overlap)
 
     def _load_scattered(self, host_pages: list[int], device_pages: list[int],
@@ -221,13 +223,18 @@ class HostKVPool:
         return not self._due
 
     def layers(self, kv_caches: Sequence[KV]) -> Sequence[KV]:
-        """The per-layer KV a forward (eager or captured) iterates: iterating it queues, before
-        layer i, the waits for layer i's copies (`layer_ready`, and the loads `use`d since
-        the last forward)."""
-        if not self.cuda:
-            return kv_caches
-        due, self._due = self._due, []
-        return _FencedLayers(kv_caches, [self.layer_ready, *(h.events for h in due)])
+        """The per-layer KV an eager forward iterates: iterating it queues, before layer i, the
+        waits for layer i's copies of the loads `use`d and the loads overlapped since the last
+        eager forward (after it, the compute stream's order covers them). As given when there
+        are none."""
+        waits = [h.events for h in self._due] + ([self.layer_ready] if self._overlapped else [])
+        self._due, self._overlapped = [], False
+        return _FencedLayers(kv_caches, waits) if waits else kv_caches
+
+    def graph_layers(self, kv_caches: Sequence[KV]) -> Sequence[KV]:
+        """The per-layer KV the CUDA graphs are captured with: waits on `layer_ready` before
+        each layer, always (replayed, a wait on an event recorded long ago costs nothing)."""
+        return _FencedLayers(kv_caches, [self.layer_ready]) if self.cuda else kv_caches
 
     def copy_stats(self) -> CopyStats:
         """Bytes copied each way and the seconds the copies took (on CUDA: from the copy's

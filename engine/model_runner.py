@@ -65,7 +65,8 @@ class ModelRunner:
         # The prefix cache's host tier: forwards, and the graphs captured below, wait for its
         # loads layer by layer (`HostKVPool.layers`).
         self.host_kv = HostKVPool(self.kv_pool, host_kv_pages, page_size) if host_kv_pages else None
-        layers = self.kv_caches if self.host_kv is None else self.host_kv.layers(self.kv_caches)
+        layers = (self.kv_caches if self.host_kv is None
+                  else self.host_kv.graph_layers(self.kv_caches))
         eos = cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
         self.sampler = Sampler(seed, eos)
         self.graphs: DecodeGraphs | None = None
