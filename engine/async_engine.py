@@ -95,7 +95,12 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self.alive
+        return self._ready.is_set() and self.alive and self.fatal_error is None
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the loaded engine stopped for good (a tensor-parallel rank died), else None."""
+        return getattr(self._engine, "fatal_error", None)
 
     @property
     def alive(self) -> bool:
@@ -188,11 +193,16 @@ class AsyncEngine:
         self._publish_stats()
         self._ready.set()
         self._done_loading.set()
-        while not self._stopping:
-            try:
-                self._iterate()
-            except Exception:  # the loop itself must survive anything
-                log.exception("engine loop iteration failed")
+        try:
+            while not self._stopping:
+                try:
+                    self._iterate()
+                except Exception:  # the loop itself must survive anything
+                    log.exception("engine loop iteration failed")
+        finally:
+            close = getattr(self._engine, "close", None)
+            if close is not None:
+                close()
 
     def _load(self) -> Any:
         if self._factory is not None:
@@ -259,6 +269,11 @@ class AsyncEngine:
         try:
             return self._engine.step()
         except Exception as e:
+            fatal = self.fatal_error
+            if fatal is not None:  # nothing can run any more: fail everything, stop the loop
+                log.error("engine stopped: %s", fatal)
+                self._stopping = True
+                return self._abort_all(set(self._live), f"the engine stopped: {fatal}")
             # We cannot tell which request of the batch broke the step: fail the running ones
             # (this frees their pages), and any that finished inside the failed step (their
             # outputs are lost); keep serving the waiting ones.

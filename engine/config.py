@@ -137,7 +137,8 @@ class EngineConfig(BaseModel):
     num_pages: int | None = setting(
         None, ge=1, alias="kv_pages", help="KV cache pages (default: sized from --kv-cache-gb)")
     kv_cache_gb: float = setting(
-        2.0, gt=0, metavar="GB", help="KV cache budget when --kv-pages is not given")
+        2.0, gt=0, metavar="GB", help="KV cache budget when --kv-pages is not given (per rank under tensor "
+        "parallelism)")
     max_model_len: int | None = setting(
         None, ge=1, help="context length cap (default: the model's, within the KV pool)")
     dtype: Dtype = setting("float32", help="weights and KV cache dtype")
@@ -186,6 +187,9 @@ class EngineConfig(BaseModel):
         None, metavar="DIR", help="disk KV tier under the host tier: sessions' KV kept as "
         "checked page files, so a restarted server resumes them without re-prefill (needs "
         "--host-kv-gb)")
+    tensor_parallel_size: int = setting(
+        1, ge=1, le=64, help="split the model over this many GPUs (CPU: processes) with "
+        "tensor parallelism, one worker process per extra rank (NCCL on GPUs, gloo on CPUs)")
     kv_disk_gb: float | None = setting(
         None, gt=0, metavar="GB", help="most the disk KV tier keeps; the least recently used "
         "page files go first (default: no bound)")
@@ -196,6 +200,9 @@ class EngineConfig(BaseModel):
             raise ValueError("max_cpu_loras must be >= max_loras")
         if self.kv_disk_dir is not None and not (self.host_kv_gb or self.host_kv_pages):
             raise ValueError("kv_disk_dir needs a host tier (host_kv_gb or host_kv_pages)")
+        if self.tensor_parallel_size > 1 and (self.host_kv_gb or self.host_kv_pages):
+            raise ValueError("the host KV tier (host_kv_gb, host_kv_pages) does not yet run "
+                             "with tensor_parallel_size > 1")
         return self
 
     def resolve(self, model: ModelConfig, device: str) -> ResolvedConfig:

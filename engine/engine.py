@@ -13,17 +13,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
-from engine.config import EngineConfig, ModelLoadError, ResolvedConfig
+from engine.config import EngineConfig, ModelConfig, ModelLoadError, ResolvedConfig
 from engine.detokenizer import Decoder, IncrementalDetokenizer
 from engine.kv_disk import DiskKV, fingerprint
 from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
 from engine.model_runner import ModelRunner, Step
 from engine.page_allocator import PageAllocator
+from engine.parallel import SentSlots, Workers, fingerprint
+from engine.partition import Partition
 from engine.prefix_cache import PrefixCache
 from engine.reasoning import Reasoning, ReasoningDetokenizer, ReasoningFormat
 from engine.request import Request
@@ -41,20 +44,40 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
-        from transformers import AutoTokenizer
-
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        elif cfg.tensor_parallel_size > 1 and cfg.device == "cpu":  # the ranks share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size))
         dtype = getattr(torch, cfg.dtype)  # the config's dtype names are torch's
         self.model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)
-        self.model = load_model(self.model_dir, dtype, cfg.device)
+        # Tensor parallelism: the workers load their shards while this process loads rank 0's.
+        self.workers = Workers(cfg, self.model_dir) if cfg.tensor_parallel_size > 1 else None
+        try:
+            self._load(cfg, dtype)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, cfg: EngineConfig, dtype: torch.dtype) -> None:
+        from transformers import AutoTokenizer
+
+        tp = self.workers.tp if self.workers else None
+        part = None
+        if tp is not None:
+            part = Partition.of(ModelConfig.from_dir(self.model_dir), 0, tp.size)
+        self.model = load_model(self.model_dir, dtype, cfg.device, part, tp)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load the tokenizer from {self.model_dir}: {e}") from e
         mc = self.model_config = self.model.cfg
         device = self.model.embed_tokens.weight.device
-        cfg = self.cfg = cfg.resolve(mc, device.type)  # from here on, no "auto" settings
+        # The KV pool's pages are sized by the rank holding the most KV heads.
+        kv_heads = (mc.num_kv_heads if tp is None else
+                    max(Partition.of(mc, r, tp.size).local(mc).num_kv_heads
+                        for r in range(tp.size)))
+        cfg = self.cfg = cfg.resolve(dataclasses.replace(mc, num_kv_heads=kv_heads),
+                                     device.type)  # from here on, no "auto" settings
         self.max_model_len = cfg.max_model_len
         self.overlap = cfg.overlap_schedule
         self.speculator = (Speculator(cfg.num_speculative_tokens)
@@ -62,6 +85,9 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        if self.workers is not None:
+            self.workers.agree(cfg, sorted(self.eos_token_ids),
+                               fingerprint(mc, self.model_dir, self.model))
         self.decoder = Decoder(self.tokenizer)  # shared by the requests' detokenizers
         self.reasoning_format = ReasoningFormat.for_tokenizer(self.tokenizer,
                                                               cfg.reasoning_parser)
@@ -69,7 +95,10 @@ class LLMEngine:
         self.allocator = PageAllocator(cfg.num_pages)
         self.grammar = GrammarStage(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
         slots = None
-        if cfg.max_loras:
+        if cfg.max_loras and tp is not None and part is not None:
+            slots = SentSlots(self.model.local_cfg, cfg.max_loras, cfg.max_lora_rank, dtype,
+                              device, part.cut_lora, tp=tp)
+        elif cfg.max_loras:
             slots = LoraSlots(mc, cfg.max_loras, cfg.max_lora_rank, dtype, device)
         self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
         lora = wrap_model(self.model, slots) if slots else None
@@ -77,7 +106,7 @@ class LLMEngine:
             self.model, cfg.num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora,
             cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
             max_model_len=cfg.max_model_len, eos_token_ids=sorted(self.eos_token_ids),
-            host_kv_pages=cfg.host_kv_pages if cfg.prefix_cache else 0,
+            host_kv_pages=cfg.host_kv_pages if cfg.prefix_cache else 0, tp=tp,
         )
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
                                         cfg.session_kv_pages, self.runner.host_kv,
@@ -173,6 +202,16 @@ class LLMEngine:
         """Drop every cached page (between runs; raises while requests run)."""
         return self.prefix_cache.reset()
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel rank died), else None."""
+        return self.workers.dead() if self.workers is not None else None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers; the engine cannot step afterwards."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -188,7 +227,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> run -> postprocess. With `overlap` on, a batch whose every seq samples
-        (no prompt left mid-chunk) starts the overlapped loop instead (`_overlap_step`)."""
+        (no prompt left mid-chunk) starts the overlapped loop instead (`_overlap_step`).
+        Raises `RankDied` once a tensor-parallel worker has exited."""
+        if self.workers is not None:
+            self.workers.check()
         failed = [self._fail(req, why) for req, why in self._not_startable()]
         if self._ahead is not None:
             return failed + self._overlap_step(self._ahead)

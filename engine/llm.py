@@ -42,6 +42,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (also on leaving a `with`)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: str | list[int] | list[str] | list[list[int]],

@@ -14,15 +14,22 @@ import importlib.util
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from engine.config import ModelConfig, ModelLoadError
 from engine.models.llama import LlamaForCausalLM
+from engine.partition import VOCAB, Partition, cut
 from engine.synthetic import MARKER, is_synthetic, synthetic_dir, synthetic_model
+
+if TYPE_CHECKING:
+    from engine.parallel import TPGroup
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -91,38 +98,67 @@ def convert_gguf(gguf: Path, cache_dir: Path, name: str) -> Path:
     return out
 
 
-def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{folder} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        try:
-            state.update(load_file(str(folder / name)))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ModelLoadError(f"corrupt or truncated checkpoint {folder / name}: {e}") from e
-    return state
+class Checkpoint:
+    """The tensors of an HF folder's safetensors files, read one at a time: a tensor-parallel
+    rank reads only its slices (`engine.partition`), never the whole model."""
+
+    def __init__(self, folder: Path) -> None:
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{folder} has no *.safetensors weights")
+        self._where: dict[str, Any] = {}  # tensor name (without "model.") -> open file
+        for name in files:
+            with _reading(folder / name):
+                f = safe_open(str(folder / name), framework="pt")
+                self._where.update((k.removeprefix("model."), (f, k, folder / name))
+                                   for k in f.keys())  # noqa: SIM118 - not a dict
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, name: str, part: Partition | None = None) -> torch.Tensor:
+        """Tensor `name`, or `part`'s slice of it (vocabulary shards padded with zeros)."""
+        f, key, path = self._where[name]
+        proj = name.split(".")[-2] if "." in name else name
+        how = part.slice_of(proj) if part is not None else None
+        with _reading(path):
+            if how is None:
+                return f.get_tensor(key)
+            dim, start, stop = how
+            sl = f.get_slice(key)
+            stop = min(stop, sl.get_shape()[dim])
+            t = sl[start:stop] if dim == 0 else sl[:, start:stop]
+        return cut(t, part, proj) if dim == 0 and proj in VOCAB else t
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    """Build the model for `folder` and load its weights, fusing q/k/v and gate/up."""
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ModelLoadError(f"corrupt or truncated checkpoint {path}: {e}") from e
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: str | torch.device,
+               part: Partition | None = None, tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """Build the model for `folder` and load its weights, fusing q/k/v and gate/up. With `tp`,
+    this rank's shard (`part`) only."""
     if (folder / MARKER).is_file():
-        return synthetic_model(folder, dtype, device)
+        return synthetic_model(folder, dtype, device, part, tp)
     cfg = ModelConfig.from_dir(folder)
-    hf = read_state_dict(folder)
-    hf = {k.removeprefix("model."): t for k, t in hf.items()}
+    hf = Checkpoint(folder)
     ours: dict[str, torch.Tensor] = {}
     missing: list[str] = []
 
     def put(name: str, *parts: str) -> None:
         """ours[name] = hf[part] (several parts: concatenated, a fused projection)."""
-        found = [hf[n] for n in parts if n in hf]
         missing.extend(n for n in parts if n not in hf)
-        if len(found) == len(parts):
+        if all(n in hf for n in parts):
+            found = [hf.read(n, part) for n in parts]
             ours[name] = found[0] if len(found) == 1 else torch.cat(found)
 
     for name in ("embed_tokens.weight", "norm.weight"):
@@ -147,7 +183,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalL
         raise ModelLoadError(f"checkpoint {folder} is missing {len(missing)} tensors: {shown}")
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(dtype)  # to_empty then allocates in `dtype`
+        model = LlamaForCausalLM(cfg, part, tp).to(dtype)  # to_empty then allocates in `dtype`
     expected = {k: v.shape for k, v in model.state_dict().items()}
     for name, t in ours.items():
         if tuple(t.shape) != tuple(expected[name]):

@@ -18,6 +18,7 @@ import torch
 from engine.cuda_graphs import EXTEND_ROWS, DecodeGraphs, ExtendGraphs
 from engine.kv_host import HostKVPool
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel import Forward, TPGroup
 from engine.request import Request
 from engine.sampler import Drawn, Sampler, SampleResult
 from engine.scheduler import Batch, ScheduledSeq
@@ -43,16 +44,20 @@ class ModelRunner:
         max_model_len: int | None = None,
         eos_token_ids: list[int] | None = None,
         host_kv_pages: int = 0,
+        tp: TPGroup | None = None,
     ):
         """`cuda_graph_max_batch > 0` on a CUDA model captures decode graphs for batches up to
         that size and contexts up to `max_model_len` (default: the whole pool).
         `eos_token_ids` (default: the model config's) are banned until a request's
-        `min_tokens`. `host_kv_pages > 0` adds the prefix cache's host tier (`host_kv`)."""
+        `min_tokens`. `host_kv_pages > 0` adds the prefix cache's host tier (`host_kv`).
+        With `tp` (tensor parallelism), rank 0's runner sends each forward's inputs to the
+        other ranks' runners (`engine.parallel`), which run the same `forward`."""
         self.model = model
+        self.tp = tp
         self.grammar = grammar
         self.lora = lora  # set when the model's projections are LoRA-wrapped
         self.page_size = page_size
-        cfg = model.cfg
+        cfg = model.local_cfg  # this rank's KV heads
         w = model.embed_tokens.weight
         # One spare page past the pool: padded graph rows write their K/V there.
         self.pad_page = num_pages
@@ -109,6 +114,18 @@ class ModelRunner:
         seqs = sorted(batch.seqs, key=self._layout)
         inputs = StepInputs.build(seqs, self.page_size)
         input_ids = None if after is None else self._fed_ids(seqs, inputs, after)
+        logits = self.forward(inputs, input_ids)
+        rows = [s.request for s in seqs for _ in range(1 + len(s.draft)) if s.samples]
+        return Step(batch, rows, logits)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of `inputs`' sampling rows (`input_ids`: the ids on the device, else
+        read from `inputs`): a CUDA graph's replay when one fits, else the eager forward."""
+        if self.tp is not None and self.tp.rank == 0:  # the other ranks run it beside us
+            self.tp.send(Forward(inputs, 0 if input_ids is None else len(input_ids)))
+            if input_ids is not None:
+                self.tp.broadcast(input_ids)
         graph_ok = self.host_kv is None or self.host_kv.graph_ok()
         logits = self._graph_logits(inputs, input_ids) if graph_ok else None
         if logits is None:
@@ -120,8 +137,7 @@ class ModelRunner:
                 self.lora.begin_step(inputs.lora_slots, inputs.num_new_tokens)
             hidden = self.model(ids, positions, kv, meta)
             logits = self.model.compute_logits(hidden[sample_rows])
-        rows = [s.request for s in seqs for _ in range(1 + len(s.draft)) if s.samples]
-        return Step(batch, rows, logits)
+        return logits
 
     @torch.inference_mode()
     def sample(

@@ -22,13 +22,17 @@ import shutil
 import tempfile
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import ModelConfig, ModelLoadError
 from engine.counter_rng import hash32
 from engine.models.llama import LlamaForCausalLM
+from engine.partition import Partition, cut_fused
+
+if TYPE_CHECKING:
+    from engine.parallel import TPGroup
 
 PREFIX = "synthetic:"
 MARKER = "synthetic.json"  # in a synthetic folder, stands where the weights would be
@@ -60,6 +64,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-tiny": dict(_QWEN3, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                        max_position_embeddings=4096, tie_word_embeddings=False),
+    # One KV head: tensor-parallel tests replicate it over the ranks
+    "tiny-mqa": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                     max_position_embeddings=4096, rope_parameters=_LLAMA3_ROPE,
+                     tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  max_position_embeddings=4096, rope_parameters=_LLAMA3_ROPE,
@@ -111,22 +120,33 @@ def synthetic_dir(model: str, cache_dir: Path, seed: int = 0) -> Path:
     return out
 
 
-def synthetic_model(folder: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    """The model of a synthetic folder, its weights made directly on `device` in `dtype`.
+def synthetic_model(folder: Path, dtype: torch.dtype, device: str | torch.device,
+                    part: Partition | None = None, tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """The model of a synthetic folder, its weights made directly on `device` in `dtype`
+    (with `tp`: each whole tensor in turn, then cut to this rank's `part`).
 
     Matrices are uniform with unit gain (bound sqrt(3 / fan_in)); norm weights are ones.
     """
     cfg = ModelConfig.from_dir(folder)
     seed = json.loads((folder / MARKER).read_text())["seed"]
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        whole = LlamaForCausalLM(cfg)  # names and shapes; a parameter's salt is its index
+        model = LlamaForCausalLM(cfg, part, tp).to(dtype)
     model = model.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty gave lm_head a tensor of its own
+        model.lm_head.weight = model.embed_tokens.weight
+    mine = dict(model.named_parameters())
     with torch.no_grad():
-        for i, (_, p) in enumerate(sorted(model.named_parameters())):
+        for i, (name, w) in enumerate(sorted(whole.named_parameters())):
+            p = mine[name]
             if p.dim() == 1:
                 p.fill_(1.0)
-            else:
+            elif part is None:
                 fill_uniform_(p, (3.0 / p.shape[1]) ** 0.5, salt=seed * 1_000_003 + i)
+            else:
+                t = torch.empty(w.shape, dtype=dtype, device=device)
+                fill_uniform_(t, (3.0 / w.shape[1]) ** 0.5, salt=seed * 1_000_003 + i)
+                p.copy_(cut_fused(name, t, part, cfg))
     model.init_rope()
     return model.eval()
 

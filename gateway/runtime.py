@@ -139,6 +139,10 @@ class Runtime:
         if self.load_error is not None:
             raise APIError(503, f"The model failed to load: {self.load_error}", "server_error",
                            code="model_load_failed")
+        fatal = self.engine.fatal_error
+        if fatal is not None:
+            raise APIError(503, f"The engine stopped: {fatal}", "server_error",
+                           code="engine_failed")
         if not self.ready or self.tokenizer is None or self.facts is None:
             raise not_ready()
         return self.tokenizer, self.facts

@@ -14,6 +14,7 @@ module whose own scale differs (PEFT's rank/alpha patterns) has the ratio folded
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,9 @@ import torch
 from lora.adapter import LoraAdapter
 from lora.batch import LoraBatchInfo, lora_shrink_expand, projection_expand, projection_shrink
 from lora.validate import projection_dims
+
+# (projection, a [r, in], b [out, r]) -> this rank's (a, b)
+Shard = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -53,8 +57,11 @@ class LoraSlots:
         max_rank: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        shard: Shard | None = None,
     ) -> None:
-        self.num_slots, self.max_rank = num_slots, max_rank
+        """Under tensor parallelism `base` is this rank's shapes, and `shard(projection, a, b)`
+        cuts a whole adapter's LoRA to this rank's (`engine.partition.Partition.cut_lora`)."""
+        self.num_slots, self.max_rank, self.shard = num_slots, max_rank, shard
         dims = projection_dims(base)
 
         def zeros(*shape: int) -> torch.Tensor:
@@ -89,8 +96,9 @@ class LoraSlots:
                     m, rows = modules.get(part), stack.sizes[j]
                     if m is not None:
                         r = m.rank
-                        stack.a[slot, j * r_max : j * r_max + r].copy_(m.a)
-                        stack.b[slot, row : row + rows, :r].copy_(m.b * (m.scale / adapter.scale))
+                        a, b = (m.a, m.b) if self.shard is None else self.shard(part, m.a, m.b)
+                        stack.a[slot, j * r_max : j * r_max + r].copy_(a)
+                        stack.b[slot, row : row + rows, :r].copy_(b * (m.scale / adapter.scale))
                     row += rows
         self.scales[slot] = adapter.scale
 

@@ -4,19 +4,29 @@
 The model sees a flat step of tokens (`[T]` ids and positions) from many requests at once;
 attention goes through `kernels.attention.paged_attention` with the step's metadata, and the
 elementwise stages through `kernels.fused` (one Triton kernel each on CUDA, torch on CPU).
+
+Under tensor parallelism (`tp`, with this rank's `Partition`) the modules are built at the
+rank's shapes; the rank's partial outputs of o_proj and down_proj are summed over the ranks,
+the embedding lookups too (each rank knows its vocabulary rows only), and the logits of the
+vocabulary shards are gathered.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig, ModelLoadError
+from engine.partition import Partition
 from kernels import fused
 from kernels.attention import AttentionMetadata, paged_attention
+
+if TYPE_CHECKING:
+    from engine.parallel import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -73,8 +83,9 @@ class QKNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -106,26 +117,29 @@ class Attention(nn.Module):
             meta.slot_mapping,
         )
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        out = self.o_proj(o.reshape(T, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+        out = self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """x: the previous layer's MLP output (the embeddings for the first layer, whose
@@ -141,13 +155,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, part: Partition | None = None,
+                 tp: TPGroup | None = None):
+        """`cfg`: the whole model's shape; with `tp`, this rank's modules take `part`'s."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp, self.part = tp, part
+        local = self.local_cfg = cfg if part is None else part.local(cfg)
+        self.embed_tokens = nn.Embedding(local.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(local, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, local.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # (P, D/2) fp32
@@ -171,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]. `kv_caches` is
         iterated once, layer by layer, as the layers are queued (the host KV tier's waits)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D/2)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         residual: torch.Tensor | None = None  # the first layer starts it
@@ -180,6 +198,19 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None
         return self.norm.add(x, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, hidden]; a rank looks up its own vocabulary rows, the others
+        give zeros, and the sum over the ranks has every row."""
+        if self.tp is None or self.part is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.part.vocab_start
+        outside = (local < 0) | (local >= self.part.vocab_rows)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.tp is not None:  # (N, vocab_rows) shards -> (N, size * vocab_rows), cut
+            logits = self.tp.gather_columns(logits)[:, : self.cfg.vocab_size]
+        return logits.float().contiguous()
