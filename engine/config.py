@@ -137,8 +137,8 @@ class EngineConfig(BaseModel):
     num_pages: int | None = setting(
         None, ge=1, alias="kv_pages", help="KV cache pages (default: sized from --kv-cache-gb)")
     kv_cache_gb: float = setting(
-        2.0, gt=0, metavar="GB", help="KV cache budget when --kv-pages is not given (per rank under tensor "
-        "parallelism)")
+        2.0, gt=0, metavar="GB", help="KV cache budget when --kv-pages is not given (per "
+        "rank under tensor parallelism)")
     max_model_len: int | None = setting(
         None, ge=1, help="context length cap (default: the model's, within the KV pool)")
     dtype: Dtype = setting("float32", help="weights and KV cache dtype")

@@ -25,7 +25,7 @@ from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
 from engine.model_runner import ModelRunner, Step
 from engine.page_allocator import PageAllocator
-from engine.parallel import SentSlots, Workers, fingerprint
+from engine.parallel import SentSlots, rank_fingerprint
 from engine.partition import Partition
 from engine.prefix_cache import PrefixCache
 from engine.reasoning import Reasoning, ReasoningDetokenizer, ReasoningFormat
@@ -35,6 +35,7 @@ from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Batch, ScheduledSeq, Scheduler
 from engine.speculative import Speculator
 from engine.structured import GrammarStage
+from engine.workers import Workers
 from lora.layers import wrap_model
 from lora.manager import AdapterManager, UnknownAdapter
 from lora.slots import LoraSlots
@@ -87,7 +88,7 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         if self.workers is not None:
             self.workers.agree(cfg, sorted(self.eos_token_ids),
-                               fingerprint(mc, self.model_dir, self.model))
+                               rank_fingerprint(mc, self.model_dir, self.model))
         self.decoder = Decoder(self.tokenizer)  # shared by the requests' detokenizers
         self.reasoning_format = ReasoningFormat.for_tokenizer(self.tokenizer,
                                                               cfg.reasoning_parser)
@@ -229,8 +230,12 @@ class LLMEngine:
         """schedule -> run -> postprocess. With `overlap` on, a batch whose every seq samples
         (no prompt left mid-chunk) starts the overlapped loop instead (`_overlap_step`).
         Raises `RankDied` once a tensor-parallel worker has exited."""
-        if self.workers is not None:
-            self.workers.check()
+        if self.workers is None:
+            return self._step()
+        with self.workers.running():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         failed = [self._fail(req, why) for req, why in self._not_startable()]
         if self._ahead is not None:
             return failed + self._overlap_step(self._ahead)

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig, ModelLoadError
 from engine.models.llama import LlamaForCausalLM
-from engine.partition import VOCAB, Partition, cut
+from engine.partition import Partition
 from engine.synthetic import MARKER, is_synthetic, synthetic_dir, synthetic_model
 
 if TYPE_CHECKING:
@@ -130,9 +130,11 @@ class Checkpoint:
                 return f.get_tensor(key)
             dim, start, stop = how
             sl = f.get_slice(key)
-            stop = min(stop, sl.get_shape()[dim])
-            t = sl[start:stop] if dim == 0 else sl[:, start:stop]
-        return cut(t, part, proj) if dim == 0 and proj in VOCAB else t
+            end = min(stop, sl.get_shape()[dim])
+            t = sl[start:end] if dim == 0 else sl[:, start:end]
+        if end < stop:  # the last vocabulary shard: zero rows past the vocabulary
+            t = torch.cat([t, t.new_zeros(stop - end, *t.shape[1:])])
+        return t
 
 
 @contextmanager

@@ -1,7 +1,7 @@
-"""Tensor parallelism's processes and collectives (`EngineConfig.tensor_parallel_size`).
+"""Tensor parallelism's collectives and messages (`EngineConfig.tensor_parallel_size`).
 
 Rank 0 is the engine: the scheduler, prefix cache, sessions, grammar masks and sampling run
-there once per step. Ranks 1.. are worker processes (`_worker_main`) holding their shard of the
+there once per step. Ranks 1.. are worker processes (`engine.workers`) holding their shard of the
 model (`engine.partition`) and of the paged KV pool (their KV heads, the same page ids). For
 each step rank 0 broadcasts the step's host inputs (`StepInputs`) and every rank runs the same
 forward: the ranks meet in one all-reduce after each row-parallel projection and an all-gather
@@ -9,29 +9,24 @@ of the vocabulary shards' logits; only rank 0 samples. Adapters loaded into a sl
 are sent to the workers in the same order, before any step that uses them.
 
 Collectives go through `torch.distributed` (NCCL between GPUs, gloo on CPUs); messages through
-a gloo group. A worker that dies is noticed at once (its process sentinel): the engine logs it
-and refuses every later step (`RankDied`), so a server goes not-ready instead of hanging.
+a gloo group. A worker that dies is noticed at once (`engine.workers.Workers`): the engine
+logs it and refuses every later step (`RankDied`), so a server goes not-ready instead of
+hanging.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import multiprocessing as mp
-import os
-import socket
-import threading
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, ModelConfig, ModelLoadError, ResolvedConfig
-from engine.partition import Partition
+from engine.config import ModelConfig, ResolvedConfig
 from lora.adapter import LoraAdapter
 from lora.slots import LoraSlots
 
@@ -128,81 +123,7 @@ class LoadSlot:
 STOP = "stop"
 
 
-# -- rank 0's side ----------------------------------------------------------------------------
-
-
-class Workers:
-    """Rank 0's handle on the worker processes: started with the engine, watched while it
-    runs, stopped with it."""
-
-    def __init__(self, cfg: EngineConfig, model_dir: Path) -> None:
-        size = cfg.tensor_parallel_size
-        device = torch.device(cfg.device)
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ModelLoadError(f"tensor_parallel_size={size} needs {size} GPUs; "
-                                 f"{torch.cuda.device_count()} are visible")
-        port = _free_port()
-        ctx = mp.get_context("spawn")
-        self.procs = [
-            ctx.Process(target=_worker_main, args=(rank, size, port, cfg, model_dir),
-                        name=f"switchboard-tp{rank}", daemon=True)
-            for rank in range(1, size)
-        ]
-        for p in self.procs:
-            p.start()
-        self._closing = False
-        self.tp = TPGroup.join(0, size, port, device)
-        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
-
-    def agree(self, cfg: ResolvedConfig, eos_token_ids: list[int], mine: dict[str, Any]) -> None:
-        """Send the settled config; check every worker loaded the same model (`mine`: rank 0's
-        `fingerprint`). Raises ModelLoadError naming the first rank that differs or failed."""
-        self.tp.send(Setup(cfg, eos_token_ids))
-        for rank, theirs in enumerate(self.tp.gather_objects(mine)):
-            if isinstance(theirs, str):
-                raise ModelLoadError(f"tensor-parallel rank {rank} failed to load: {theirs}")
-            if theirs != mine:
-                diff = sorted(k for k in mine if theirs.get(k) != mine[k])
-                raise ModelLoadError(f"tensor-parallel rank {rank} disagrees with rank 0 on "
-                                     f"{', '.join(diff)}")
-
-    def dead(self) -> str | None:
-        """Why the group cannot run (a worker exited), else None."""
-        for rank, p in enumerate(self.procs, start=1):
-            if p.exitcode is not None:
-                return (f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
-                        f"{p.exitcode}")
-        return None
-
-    def check(self) -> None:
-        why = self.dead()
-        if why is not None:
-            raise RankDied(f"{why}; the engine cannot run")
-
-    def close(self) -> None:
-        """Stop the workers (they leave their loops) and leave the group."""
-        if self._closing:
-            return
-        self._closing = True
-        if self.dead() is None:
-            try:
-                self.tp.send(STOP)
-            except Exception:  # noqa: BLE001 - a worker died meanwhile; kill the rest below
-                log.warning("could not tell the tensor-parallel workers to stop")
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        self.tp.close()
-
-    def _watch(self) -> None:
-        wait([p.sentinel for p in self.procs])
-        if not self._closing:
-            log.error("%s; the engine stops serving (not ready)", self.dead())
-
-
-def fingerprint(cfg: ModelConfig, model_dir: Path, model: torch.nn.Module) -> dict[str, Any]:
+def rank_fingerprint(cfg: ModelConfig, model_dir: Path, model: torch.nn.Module) -> dict[str, Any]:
     """What the ranks must agree on: the model's shape and files, the torch build, and the
     final norm's weights (replicated on every rank: a differing checkpoint shows there)."""
     config = model_dir / "config.json"
@@ -215,63 +136,6 @@ def fingerprint(cfg: ModelConfig, model_dir: Path, model: torch.nn.Module) -> di
         .hexdigest(),
     }
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# -- a worker ---------------------------------------------------------------------------------
-
-
-def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: Path) -> None:
-    """Rank `rank`: load this rank's shard, build the same model runner as rank 0, then run
-    rank 0's messages until it says stop (or goes away)."""
-    from engine.loader import load_model
-    from engine.model_runner import ModelRunner
-    from lora.layers import wrap_model
-
-    device = torch.device(cfg.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // size))
-    tp = TPGroup.join(rank, size, port, device)
-    try:
-        dtype = getattr(torch, cfg.dtype)
-        try:  # while rank 0 loads its own shard
-            mc = ModelConfig.from_dir(model_dir)
-            part = Partition.of(mc, rank, size)
-            model = load_model(model_dir, dtype, device, part, tp)
-            mine: Any = fingerprint(mc, model_dir, model)
-        except Exception as e:  # reported by rank 0, which then stops every rank
-            mine = f"{type(e).__name__}: {e}"
-        setup = tp.recv()
-        if setup == STOP:  # rank 0 failed to load
-            return
-        tp.gather_objects(mine)
-        if isinstance(mine, str):
-            return
-        c = setup.cfg
-        slots = (LoraSlots(part.local(mc), c.max_loras, c.max_lora_rank, dtype, device,
-                           part.cut_lora) if c.max_loras else None)
-        runner = ModelRunner(
-            model, c.num_pages, c.page_size, c.seed, lora=wrap_model(model, slots) if slots
-            else None, cuda_graph_max_batch=c.max_num_seqs if c.cuda_graphs else 0,
-            max_model_len=c.max_model_len, eos_token_ids=setup.eos_token_ids, tp=tp,
-        )
-        while (msg := tp.recv()) != STOP:
-            if isinstance(msg, Forward):
-                ids = None
-                if msg.fed:
-                    ids = tp.broadcast(torch.empty(msg.fed, dtype=torch.long, device=device))
-                runner.forward(msg.inputs, ids)
-            elif isinstance(msg, LoadSlot):
-                assert slots is not None, "rank 0 loads adapters only with LoRA on"
-                slots.load(msg.slot, msg.adapter)
-    finally:
-        tp.close()
 
 
 class SentSlots(LoraSlots):

@@ -140,7 +140,8 @@ def cut_fused(name: str, t: torch.Tensor, part: Partition | None, cfg: ModelConf
     parts = FUSED_PARTS.get(proj)
     if part is None or parts is None:
         return cut(t, part, proj)
-    q, kv, ffn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    ffn = cfg.intermediate_size
     sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": ffn, "up_proj": ffn}
     pieces = t.split([sizes[p] for p in parts])
     return torch.cat([cut(x, part, p) for x, p in zip(pieces, parts, strict=True)])

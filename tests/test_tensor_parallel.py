@@ -1,0 +1,242 @@
+"""Tensor parallelism on CPUs: two ranks over gloo give the tokens one rank gives.
+
+The embedded SmolLM2 (9 query heads over 3 KV heads: split 1 and 2 over two ranks) with two
+peft adapters and a JSON schema in the batch, and a synthetic model with one KV head
+(replicated on both ranks), greedy, equal token for token to `tensor_parallel_size=1`. The
+shards of every weight put back together are the whole model. A worker killed mid-generation
+fails the step at once with the rank named, and a server goes not-ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig, ModelConfig, ModelLoadError
+from engine.parallel import RankDied
+from engine.partition import Partition, cut_fused
+from engine.synthetic import hf_config
+
+SYSTEM = "You are a careful assistant who answers in one short sentence and never rambles. "
+PROMPTS = [SYSTEM + "The capital of France is", SYSTEM + "def fibonacci(n):"]
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]},
+                                           "population": {"type": "integer", "minimum": 0,
+                                                          "maximum": 99999999}},
+          "required": ["city", "population"], "additionalProperties": False}
+
+
+def _cfg(**fields) -> ModelConfig:
+    return ModelConfig(vocab_size=fields.pop("vocab_size", 1000), hidden_size=64,
+                       intermediate_size=fields.pop("intermediate_size", 160), num_layers=2,
+                       head_dim=16, max_position=512, **fields)
+
+
+# -- the partition (no processes) ---------------------------------------------------------
+
+
+def test_partition_splits_heads_by_kv_group_and_replicates_few_kv_heads():
+    smol = _cfg(num_heads=9, num_kv_heads=3)  # SmolLM2-135M's heads
+    p0, p1 = (Partition.of(smol, r, 2) for r in range(2))
+    assert (p0.kv_heads, p0.q_heads) == ((0, 1), (0, 3))
+    assert (p1.kv_heads, p1.q_heads) == ((1, 3), (3, 9))
+    mqa = _cfg(num_heads=4, num_kv_heads=1)
+    assert [(p.kv_heads, p.q_heads) for p in (Partition.of(mqa, r, 2) for r in range(2))] == [
+        ((0, 1), (0, 2)), ((0, 1), (2, 4))]
+    gqa = _cfg(num_heads=8, num_kv_heads=2)  # 4 ranks per KV head, one query head each
+    assert [Partition.of(gqa, r, 8).q_heads for r in range(8)] == [(r, r + 1) for r in range(8)]
+    with pytest.raises(ModelLoadError, match="cannot split 4 query heads over 2 KV heads"):
+        Partition.of(_cfg(num_heads=4, num_kv_heads=2), 0, 8)
+    odd = _cfg(num_heads=4, num_kv_heads=2, vocab_size=1001)
+    assert [Partition.of(odd, r, 2).vocab_start for r in range(2)] == [0, 501]
+    assert Partition.of(odd, 1, 2).vocab_rows == 501  # the last shard pads one row
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mqa", "qwen3-tiny"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_shards_put_back_together_are_the_whole_model(preset, size):
+    from engine.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig.from_hf(hf_config(preset))
+    torch.manual_seed(0)
+    whole = LlamaForCausalLM(cfg)
+    parts = [Partition.of(cfg, r, size) for r in range(size)]
+    for name, t in whole.state_dict().items():
+        shards = [cut_fused(name, t, p, cfg) for p in parts]
+        local = dict(LlamaForCausalLM(cfg, parts[0]).state_dict())[name].shape
+        assert shards[0].shape == local, name
+        proj = name.split(".")[-2]
+        if proj in ("embed_tokens", "lm_head"):
+            assert torch.equal(torch.cat(shards)[: cfg.vocab_size], t), name
+        elif proj in ("o_proj", "down_proj"):
+            assert torch.equal(torch.cat(shards, dim=1), t), name
+        elif proj == "gate_up_proj":
+            halves = [s.chunk(2) for s in shards]
+            assert torch.equal(torch.cat([h[0] for h in halves] + [h[1] for h in halves]), t)
+        elif proj == "qkv_proj" and cfg.num_kv_heads >= size:
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            pieces = [s.split([(p.q_heads[1] - p.q_heads[0]) * cfg.head_dim,
+                               *[(p.kv_heads[1] - p.kv_heads[0]) * cfg.head_dim] * 2])
+                      for s, p in zip(shards, parts, strict=True)]
+            rebuilt = torch.cat([torch.cat([x[i] for x in pieces]) for i in range(3)])
+            assert rebuilt.shape == (q + 2 * kv, cfg.hidden_size)
+            assert torch.equal(rebuilt, t), name
+        elif proj != "qkv_proj":  # norms: every rank holds all of it
+            assert all(torch.equal(s, t) for s in shards), name
+
+
+def test_a_rank_reads_only_its_slices_of_a_checkpoint(tmp_path):
+    """The HF-folder path (sliced safetensors reads) gives the shards `cut_fused` cuts from
+    the whole model: uneven KV heads, tied embeddings, a vocabulary two ranks split unevenly."""
+    from engine.loader import load_model
+    from tests.tiny_models import save_tiny
+
+    folder = save_tiny(tmp_path / "m", "llama", vocab_size=321, hidden_size=96,
+                       num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=True)
+    whole = load_model(folder, torch.float32, "cpu").state_dict()
+    cfg = ModelConfig.from_dir(folder)
+    for rank in range(2):
+        part = Partition.of(cfg, rank, 2)
+        mine = load_model(folder, torch.float32, "cpu", part).state_dict()
+        assert mine.keys() == whole.keys()
+        for name, t in mine.items():
+            assert torch.equal(t, cut_fused(name, whole[name], part, cfg)), (rank, name)
+
+
+def test_config_refuses_the_host_tier_with_tensor_parallelism():
+    with pytest.raises(ValueError, match="host KV tier"):
+        EngineConfig(tensor_parallel_size=2, host_kv_gb=1.0)
+
+
+# -- two ranks against one ----------------------------------------------------------------
+
+
+def _adapter(hf, path: Path, seed: int, **kw) -> None:
+    """A peft LoRA with random non-zero B, small enough that the text stays sensible."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(**kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    model.save_pretrained(path)
+
+
+def _jobs(names: list[str]) -> tuple[list[str], list[SamplingParams]]:
+    prompts, params = [], []
+    for prompt in PROMPTS:
+        for adapter in (None, *names):
+            prompts.append(prompt)
+            params.append(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                         adapter=adapter))
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    prompts.append(SYSTEM + "Describe Paris as JSON:")
+    params.append(SamplingParams(max_tokens=48, temperature=0, response_format=rf))
+    return prompts, params
+
+
+def test_embedded_model_two_ranks_equal_one(smollm2_dir, hf_smollm2, tmp_path):
+    """LoRA adapters (one on q/v, one on every projection) and a JSON schema in one batch;
+    then the same prompts again, from the prefix cache."""
+    _adapter(hf_smollm2, tmp_path / "poet", 1, r=8, lora_alpha=16,
+             target_modules=["q_proj", "v_proj"])
+    _adapter(hf_smollm2, tmp_path / "coder", 2, r=16, lora_alpha=16,
+             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"])
+    names = ["poet", "coder"]
+    prompts, params = _jobs(names)
+    results = {}
+    for size in (1, 2):
+        with LLM(model=str(smollm2_dir), tensor_parallel_size=size, num_pages=128,
+                 max_loras=2, max_lora_rank=16) as llm:
+            for name in names:
+                llm.load_adapter(name, tmp_path / name)
+            first = llm.generate(prompts, params)
+            again = llm.generate(prompts, params)
+            assert all(o.error is None for o in first + again), [o.error for o in first]
+            assert sum(o.num_cached_tokens for o in again) > 0
+            llm.engine.reset_prefix_cache()
+            assert llm.engine.allocator.num_used == 0  # no page kept by any request
+            base = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0,
+                                                           logprobs=2))[0].logprobs
+            results[size] = [o.token_ids for o in first], [o.token_ids for o in again], base
+            schema_text = first[-1].text
+        jsonschema.validate(json.loads(schema_text), SCHEMA)
+    assert results[2][:2] == results[1][:2]
+    # And the base rows' log-probabilities agree to float rounding (summed in another order).
+    for lp2, lp1 in zip(results[2][2], results[1][2], strict=True):
+        assert lp2.token_id == lp1.token_id
+        assert lp2.logprob == pytest.approx(lp1.logprob, abs=1e-3)
+    by_adapter = results[1][0]
+    assert by_adapter[0] != by_adapter[2] or by_adapter[3] != by_adapter[5]  # LoRA is in play
+
+
+def test_fewer_kv_heads_than_ranks_chunked_prefill(tmp_path):
+    """One KV head replicated on both ranks; prompts longer than a step's token budget."""
+    prompts = [[(7 * i + 3 * j) % 4000 + 10 for j in range(40 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    out = {}
+    for size in (1, 2):
+        with LLM(model="synthetic:tiny-mqa", cache_dir=tmp_path, tensor_parallel_size=size,
+                 num_pages=64, page_size=8, max_num_batched_tokens=32, max_loras=0) as llm:
+            out[size] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert out[2] == out[1]
+
+
+def test_a_dead_rank_fails_the_step_at_once(tmp_path):
+    llm = LLM(model="synthetic:tiny", cache_dir=tmp_path, tensor_parallel_size=2, num_pages=64,
+              max_loras=0)
+    try:
+        worker = llm.engine.workers.procs[0]
+        llm.generate(["warm up"], SamplingParams(max_tokens=2))
+        for rid in range(4):
+            llm.engine.add_request(f"r{rid}", [10 + rid] * 8,
+                                   SamplingParams(max_tokens=400, ignore_eos=True))
+        llm.engine.step()
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RankDied, match=f"rank 1 \\(pid {worker.pid}\\) exited with code -9"):
+            while True:
+                llm.engine.step()
+        assert time.monotonic() - start < 10
+        assert "rank 1" in llm.engine.fatal_error
+    finally:
+        llm.close()
+
+
+def test_server_goes_not_ready_when_a_rank_dies(tmp_path):
+    """Through the engine thread: an idle engine's readiness drops, and a request then fails
+    with the reason instead of waiting."""
+    from engine.async_engine import AsyncEngine
+    from engine.messages import GenerateRequest
+
+    async def run() -> None:
+        engine = AsyncEngine(EngineConfig(model="synthetic:tiny", cache_dir=tmp_path,
+                                          tensor_parallel_size=2, num_pages=64, max_loras=0))
+        engine.start(asyncio.get_running_loop())
+        assert await asyncio.to_thread(engine.wait_loaded, 120)
+        assert engine.ready and engine.fatal_error is None
+        os.kill(engine._engine.workers.procs[0].pid, signal.SIGKILL)
+        for _ in range(100):
+            if not engine.ready:
+                break
+            await asyncio.sleep(0.05)
+        assert not engine.ready
+        sink: asyncio.Queue = asyncio.Queue()
+        engine.add_request(GenerateRequest("after", [5, 6, 7], SamplingParams(max_tokens=4)),
+                           sink)
+        out = await asyncio.wait_for(sink.get(), 30)
+        assert out.finished and out.finish_reason == "error" and "rank 1" in out.error
+        await asyncio.to_thread(engine.shutdown)
+
+    asyncio.run(run())
