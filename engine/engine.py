@@ -95,7 +95,7 @@ class LLMEngine:
 
         self.allocator = PageAllocator(cfg.num_pages)
         self.grammar = GrammarStage(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
-        slots = None
+        slots: LoraSlots | None = None
         if cfg.max_loras and tp is not None and part is not None:
             slots = SentSlots(self.model.local_cfg, cfg.max_loras, cfg.max_lora_rank, dtype,
                               device, part.cut_lora, tp=tp)
@@ -210,8 +210,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers; the engine cannot step afterwards."""
-        if getattr(self, "workers", None) is not None:
-            self.workers.close()
+        workers = getattr(self, "workers", None)  # None too if __init__ failed before it
+        if workers is not None:
+            workers.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

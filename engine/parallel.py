@@ -21,7 +21,7 @@ import logging
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ import torch.distributed as dist
 from engine.config import ModelConfig, ResolvedConfig
 from lora.adapter import LoraAdapter
 from lora.slots import LoraSlots
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -123,17 +126,18 @@ class LoadSlot:
 STOP = "stop"
 
 
-def rank_fingerprint(cfg: ModelConfig, model_dir: Path, model: torch.nn.Module) -> dict[str, Any]:
+def rank_fingerprint(cfg: ModelConfig, model_dir: Path, model: LlamaForCausalLM
+                     ) -> dict[str, Any]:
     """What the ranks must agree on: the model's shape and files, the torch build, and the
     final norm's weights (replicated on every rank: a differing checkpoint shows there)."""
     config = model_dir / "config.json"
+    norm = model.norm.weight.detach()
     return {
         "model": asdict(cfg),
         "config.json": hashlib.sha256(config.read_bytes()).hexdigest(),
         "torch": torch.__version__,
-        "dtype": str(model.norm.weight.dtype),
-        "norm": hashlib.sha256(model.norm.weight.detach().float().cpu().numpy().tobytes())
-        .hexdigest(),
+        "dtype": str(norm.dtype),
+        "norm": hashlib.sha256(norm.float().cpu().numpy().tobytes()).hexdigest(),
     }
 
 

@@ -240,3 +240,28 @@ def test_server_goes_not_ready_when_a_rank_dies(tmp_path):
         await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())
+
+
+def test_serve_with_two_ranks_answers_the_openai_sdk(tmp_path):
+    """`switchboard serve --tensor-parallel-size 2`: a streamed chat completion, and a tool
+    call that parses against its schema."""
+    from openai import OpenAI
+
+    from tests.conftest import serve
+
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+               "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    with serve(tmp_path, "--tensor-parallel-size", "2") as server:
+        client = OpenAI(base_url=server.base_url, api_key=server.api_key)
+        chunks = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=8, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text
+        reply = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=tools, tool_choice="required", max_tokens=40, temperature=0)
+        calls = reply.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].function.arguments), weather)
