@@ -1,9 +1,10 @@
 """Synthetic models for benchmarks: real Llama-3 and Qwen3 shapes, random weights made on the
 device.
 
-`model="synthetic:llama3-8b"` (or `llama3-1b`, `qwen3-8b`, or `tiny` / `qwen3-tiny` for tests)
-needs no download: the preset becomes an HF-style folder in the cache (config.json, the SmolLM2
-tokenizer shipped in `engine/assets`, and `synthetic.json` in place of weights), and
+`model="synthetic:llama3-8b"` (or `llama3-70b`, `llama3-1b`, `qwen3-8b`, or `tiny` /
+`qwen3-tiny` / `tiny-mqa` for tests) needs no download: the preset becomes an HF-style folder
+in the cache (config.json, the SmolLM2 tokenizer shipped in `engine/assets`, and
+`synthetic.json` in place of weights), and
 `engine.loader.load_model` fills the weights where the model lives. The vocabulary is the
 SmolLM2 tokenizer's (49152 tokens), not Llama 3's 128256 or Qwen3's 151936, so the embedding
 table and lm_head are smaller than the real model's; every other tensor has the real shape.
@@ -48,6 +49,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                       max_position_embeddings=8192, rope_parameters=_LLAMA3_ROPE,
                       tie_word_embeddings=False),
+    # Meta-Llama-3-70B: tensor-parallel benchmarks (140 GB in bf16: 2 or more GPUs)
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=8192, rope_parameters=_LLAMA3_ROPE,
+                       tie_word_embeddings=False),
     # Llama-3.2-1B
     "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=64,
