@@ -19,7 +19,7 @@ import torch
 from engine import LLM, SamplingParams
 from lora.adapter import AdapterError
 from lora.manager import AdapterExists
-from tests.tiny_models import save_tiny
+from tests.tiny_models import random_peft_adapter, save_tiny
 
 peft = pytest.importorskip("peft")
 
@@ -175,21 +175,10 @@ def test_load_unload_and_bad_input(tiny, tmp_path):
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-def _smollm2_adapter(hf, path: Path, seed: int, **kw) -> None:
-    """A peft LoRA with random non-zero B, small enough that the text stays sensible."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(**kw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    model.save_pretrained(path)
-
-
 def test_smollm2_greedy_equals_peft_generate(smollm2, hf_smollm2, tmp_path):
-    _smollm2_adapter(hf_smollm2, tmp_path / "poet", 1, r=8, lora_alpha=16,
+    random_peft_adapter(hf_smollm2, tmp_path / "poet", 1, r=8, lora_alpha=16,
                      target_modules=["q_proj", "v_proj"])
-    _smollm2_adapter(hf_smollm2, tmp_path / "coder", 2, r=16, lora_alpha=16, target_modules=ALL)
+    random_peft_adapter(hf_smollm2, tmp_path / "coder", 2, r=16, lora_alpha=16, target_modules=ALL)
     names = ["poet", "coder"]
     for name in names:
         smollm2.load_adapter(name, tmp_path / name)

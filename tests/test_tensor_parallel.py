@@ -10,12 +10,10 @@ fails the step at once with the rank named, and a server goes not-ready.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -26,6 +24,7 @@ from engine.config import EngineConfig, ModelConfig, ModelLoadError
 from engine.parallel import RankDied
 from engine.partition import Partition, cut_fused
 from engine.synthetic import hf_config
+from tests.tiny_models import random_peft_adapter
 
 SYSTEM = "You are a careful assistant who answers in one short sentence and never rambles. "
 PROMPTS = [SYSTEM + "The capital of France is", SYSTEM + "def fibonacci(n):"]
@@ -120,18 +119,6 @@ def test_config_refuses_the_host_tier_with_tensor_parallelism():
 # -- two ranks against one ----------------------------------------------------------------
 
 
-def _adapter(hf, path: Path, seed: int, **kw) -> None:
-    """A peft LoRA with random non-zero B, small enough that the text stays sensible."""
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(**kw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    model.save_pretrained(path)
-
-
 def _jobs(names: list[str]) -> tuple[list[str], list[SamplingParams]]:
     prompts, params = [], []
     for prompt in PROMPTS:
@@ -148,9 +135,10 @@ def _jobs(names: list[str]) -> tuple[list[str], list[SamplingParams]]:
 def test_embedded_model_two_ranks_equal_one(smollm2_dir, hf_smollm2, tmp_path):
     """LoRA adapters (one on q/v, one on every projection) and a JSON schema in one batch;
     then the same prompts again, from the prefix cache."""
-    _adapter(hf_smollm2, tmp_path / "poet", 1, r=8, lora_alpha=16,
+    pytest.importorskip("peft")
+    random_peft_adapter(hf_smollm2, tmp_path / "poet", 1, r=8, lora_alpha=16,
              target_modules=["q_proj", "v_proj"])
-    _adapter(hf_smollm2, tmp_path / "coder", 2, r=16, lora_alpha=16,
+    random_peft_adapter(hf_smollm2, tmp_path / "coder", 2, r=16, lora_alpha=16,
              target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj"])
     names = ["poet", "coder"]

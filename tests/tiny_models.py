@@ -212,3 +212,19 @@ def save_tiny_reasoner(path: Path) -> Path:
     save_tiny(path, "qwen3", vocab_size=49152, tie_word_embeddings=True, bos_token_id=1,
               eos_token_id=2, max_position_embeddings=2048)
     return save_reasoning_tokenizer(path)
+
+
+def random_peft_adapter(hf, path: Path, seed: int, **lora_config) -> None:
+    """Save a peft LoRA of `hf` (a transformers model, left unchanged) to `path`, with random
+    non-zero B (std 0.02: small enough that a real model's text stays sensible)."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(**lora_config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    model.save_pretrained(path)
