@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig, ModelLoadError
 from engine.models.llama import LlamaForCausalLM
-from engine.partition import Partition
+from engine.partition import Partition, projection
 from engine.synthetic import MARKER, is_synthetic, synthetic_dir, synthetic_model
 
 if TYPE_CHECKING:
@@ -123,8 +123,7 @@ class Checkpoint:
     def read(self, name: str, part: Partition | None = None) -> torch.Tensor:
         """Tensor `name`, or `part`'s slice of it (vocabulary shards padded with zeros)."""
         f, key, path = self._where[name]
-        proj = name.split(".")[-2] if "." in name else name
-        how = part.slice_of(proj) if part is not None else None
+        how = part.slice_of(projection(name)) if part is not None else None
         with _reading(path):
             if how is None:
                 return f.get_tensor(key)

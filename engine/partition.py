@@ -114,6 +114,11 @@ def _split(n: int, size: int, rank: int) -> tuple[int, int]:
     return rank * n // size, (rank + 1) * n // size
 
 
+def projection(name: str) -> str:
+    """The module a tensor belongs to: "layers.0.self_attn.q_proj.weight" -> "q_proj"."""
+    return name.split(".")[-2] if "." in name else name
+
+
 def cut(t: torch.Tensor, part: Partition | None, proj: str | None) -> torch.Tensor:
     """This rank's slice of a whole checkpoint tensor of `proj` (None, or a projection
     `slice_of` does not split: all of it); vocabulary shards padded with zero rows."""
@@ -136,7 +141,7 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 def cut_fused(name: str, t: torch.Tensor, part: Partition | None, cfg: ModelConfig) -> torch.Tensor:
     """This rank's slice of the whole model's tensor `name` (our parameter names, e.g.
     "layers.3.self_attn.qkv_proj.weight"): a fused projection is cut part by part."""
-    proj = name.split(".")[-2] if "." in name else name
+    proj = projection(name)
     parts = FUSED_PARTS.get(proj)
     if part is None or parts is None:
         return cut(t, part, proj)
