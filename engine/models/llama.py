@@ -24,6 +24,7 @@ from engine.config import ModelConfig, ModelLoadError
 from engine.partition import Partition
 from kernels import fused
 from kernels.attention import AttentionMetadata, paged_attention
+from kernels.linear import Linear
 
 if TYPE_CHECKING:
     from engine.parallel import TPGroup
@@ -94,8 +95,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul: rows [q | k | v].
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
         self.qk_norm = QKNorm(cfg) if cfg.qk_norm else None
 
@@ -125,8 +126,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.tp = tp
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
@@ -165,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(local.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(local, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, local.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # (P, D/2) fp32
