@@ -21,10 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine import LLM, SamplingParams
 from engine.speculative import Speculator
+from gateway.tools import FALLBACK_SYSTEM
+from grammar.spec import parse_constraint
+from grammar.tools import parse_tools, tool_constraint
 
 LOG = """12:01:07 billing status=503 path=/v1/invoices/8812 upstream=payments-eu-west-1
 12:01:09 billing status=503 path=/v1/invoices/8813 upstream=payments-eu-west-1
@@ -44,28 +48,66 @@ SCHEMA = {"type": "object", "properties": {"service": {"type": "string", "maxLen
                                            "upstream": {"type": "string", "maxLength": 40}},
           "required": ["service", "status", "upstream"], "additionalProperties": False}
 
+SEARCH_LOGS = {"type": "function", "function": {
+    "name": "search_logs", "description": "Search the logs of one service.",
+    "parameters": {"type": "object", "properties": {
+        "service": {"type": "string"}, "path": {"type": "string"}, "upstream": {"type": "string"}},
+        "required": ["service", "path", "upstream"], "additionalProperties": False}}}
+
+# name -> (messages, constraint, agent): `agent` workloads make the issue's agent trace; the
+# free-text control copies little and is reported beside it.
 WORKLOADS = {
-    "tool_call": (f"Logs:\n{LOG}\n\nCall the tool search_logs with a JSON object "
-                  '{"service": ..., "path": ..., "upstream": ...} for the first failing line. '
-                  "Reply with the JSON only.", None),
-    "code_edit": (f"Rename the parameter settings_store to store in this function and show "
-                  f"the whole function:\n\n{CODE}", None),
-    "json_schema": (f"Logs:\n{LOG}\n\nDescribe the failing service as JSON.",
-                    {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}),
-    "free_text": ("Give three short tips for writing clear commit messages.", None),
+    "tool_call": ([{"role": "system", "content": FALLBACK_SYSTEM.format(tools=json.dumps(SEARCH_LOGS))},
+                   {"role": "user", "content": f"Logs:\n{LOG}\n\nThe first failing request is service "
+                                               "billing, path /v1/invoices/8812, upstream "
+                                               "payments-eu-west-1. Search its logs."}],
+                  tool_constraint(parse_tools([SEARCH_LOGS], "required")), True),
+    "code_edit": ([{"role": "user", "content": "Rename the parameter settings_store to store in "
+                                               f"this function and show the whole function:\n\n{CODE}"}],
+                  None, True),
+    "json_schema": ([{"role": "user", "content": f"Logs:\n{LOG}\n\nDescribe the failing service "
+                                                 "as JSON."}],
+                    parse_constraint({"type": "json_schema",
+                                      "json_schema": {"name": "r", "schema": SCHEMA}}), True),
+    "free_text": ([{"role": "user", "content": "Give three short tips for writing clear commit "
+                                               "messages."}], None, False),
 }
 
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list]:
-    """Output tok/s and the outputs; adds the run's tokens, seconds and engine steps (each one
-    forward) to `TOTALS`."""
-    eng, steps = llm.engine, 0
+@dataclass
+class Totals:
+    """Output tokens, seconds and engine steps (each one forward at batch 1) of the runs
+    added: whole requests, and their decode phase (after the step that gave every request of
+    its run its first token: the prompts' prefill is the same with and without drafts)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+
+    def add(self, other: Totals) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[Totals, list]:
+    """The run's totals and its outputs' token ids."""
+    eng = llm.engine
     step = eng.step
+    ends: list[tuple[float, int]] = []  # per step: when it ended, tokens it produced
+    started: set[str] = set()
+    first_phase = 0  # steps until every request had a token
 
     def counting():
-        nonlocal steps
-        steps += 1
-        return step()
+        nonlocal first_phase
+        outs = step()
+        ends.append((time.perf_counter(), sum(len(o.new_token_ids) for o in outs)))
+        started.update(o.request_id for o in outs if o.new_token_ids)
+        if not first_phase and len(started) == len(prompts):
+            first_phase = len(ends)
+        return outs
 
     eng.step = counting
     try:
@@ -75,13 +117,22 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tup
     finally:
         del eng.step
     tokens = sum(len(o.token_ids) for o in outs)
-    mode = "on" if eng.speculator else "off"
-    for key, value in ((f"{mode}_tokens", tokens), (f"{mode}_s", dt), (f"{mode}_steps", steps)):
-        TOTALS[key] = TOTALS.get(key, 0) + value
-    return tokens / dt, [o.token_ids for o in outs]
+    later = ends[first_phase:]
+    return Totals(tokens, dt, len(ends), sum(n for _, n in later),
+                  ends[-1][0] - ends[first_phase - 1][0], len(later)), [o.token_ids for o in outs]
 
 
-TOTALS: dict[str, float] = {}
+def summary(off: Totals, on: Totals) -> dict[str, float]:
+    def rate(t: Totals, decode: bool = False) -> float:
+        return t.decode_tokens / t.decode_seconds if decode else t.tokens / t.seconds
+
+    return {"off_tok_s": round(rate(off), 1), "on_tok_s": round(rate(on), 1),
+            "speedup": round(rate(on) / rate(off), 2),
+            "decode_off_tok_s": round(rate(off, True), 1),
+            "decode_on_tok_s": round(rate(on, True), 1),
+            "decode_speedup": round(rate(on, True) / rate(off, True), 2),
+            "decode_tokens_per_step_off": round(off.decode_tokens / off.decode_steps, 2),
+            "decode_tokens_per_step_on": round(on.decode_tokens / on.decode_steps, 2)}
 
 
 def main() -> None:
@@ -97,45 +148,43 @@ def main() -> None:
     tok = llm.tokenizer
     llm.generate([tok.encode("warm up")], [SamplingParams(max_tokens=4)])
     report: dict[str, dict] = {}
-    for name, (text, rf) in WORKLOADS.items():
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                 tokenize=False, add_generation_prompt=True))
+    trace = {group: (Totals(), Totals()) for group in ("agent", "all")}
+    for name, (messages, constraint, agent) in WORKLOADS.items():
+        ids = tok.encode(tok.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True))
         for mode, temperature in (("greedy", 0.0), ("sampled", 0.7)):
             params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
-                                     seed=i, response_format=rf) for i in range(args.batch)]
+                                     seed=i, constraint=constraint) for i in range(args.batch)]
             prompts = [ids] * args.batch
-            off, on, same = [], [], True
+            off, on, same = Totals(), Totals(), True
             stats = None
+            llm.generate(prompts[:1], params[:1])  # untimed: compiles the grammar, if any
             for _ in range(args.rounds):  # alternating, so drift hits both alike
                 llm.engine.reset_prefix_cache()
-                rate, base = run(llm, prompts, params)
-                off.append(rate)
+                totals, base = run(llm, prompts, params)
+                off.add(totals)
                 llm.engine.reset_prefix_cache()
                 llm.engine.speculator = stats = Speculator(args.k)
                 try:
-                    rate, spec = run(llm, prompts, params)
+                    totals, spec = run(llm, prompts, params)
                 finally:
                     llm.engine.speculator = None
-                on.append(rate)
+                on.add(totals)
                 same &= spec == base
+            for group in ("agent", "all") if agent else ("all",):
+                trace[group][0].add(off)
+                trace[group][1].add(on)
             s = stats.stats if stats else None
-            row = {"off_tok_s": round(max(off), 1), "on_tok_s": round(max(on), 1),
-                   "speedup": round(max(on) / max(off), 2), "identical": same,
+            row = {**summary(off, on), "identical": same,
                    "acceptance": round(s.accepted / s.drafted, 3) if s and s.drafted else None,
                    "tokens_per_drafted_forward":
                        round(s.emitted / s.forwards, 2) if s and s.forwards else None}
             report[f"{name}/{mode}"] = row
             print(f"{name:12s} {mode:8s} {json.dumps(row)}", flush=True)
-    t = TOTALS  # the whole trace: every workload and mode, every round
-    report["trace"] = {
-        "off_tok_s": round(t["off_tokens"] / t["off_s"], 1),
-        "on_tok_s": round(t["on_tokens"] / t["on_s"], 1),
-        "speedup": round(t["on_tokens"] / t["on_s"] / (t["off_tokens"] / t["off_s"]), 2),
-        "tokens_per_step_off": round(t["off_tokens"] / t["off_steps"], 2),
-        "tokens_per_step_on": round(t["on_tokens"] / t["on_steps"], 2),
-        "identical": all(r["identical"] for r in report.values()),
-    }
-    print(f"{'trace':21s} {json.dumps(report['trace'])}", flush=True)
+    same = all(r["identical"] for r in report.values())
+    for group, (off, on) in trace.items():
+        report[f"trace/{group}"] = {**summary(off, on), "identical": same}
+        print(f"{'trace/' + group:21s} {json.dumps(report[f'trace/{group}'])}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 

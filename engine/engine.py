@@ -295,8 +295,8 @@ class LLMEngine:
         step = self.runner.launch(batch)
         seq_of = {s.request: s for s in batch.seqs}
         offsets, prev = [], None
-        for req in step.rows:  # a drafted decode's rows are consecutive, one per position
-            offsets.append(offsets[-1] + 1 if req is prev else 0)
+        for req in step.rows:  # a drafted decode's rows are consecutive, one per drawn position
+            offsets.append(offsets[-1] + 1 if req is prev else seq_of[req].num_forced)
             prev = req
         self.runner.sample(step, step.rows, offsets=offsets)
         plain: list[tuple[Request, SampleResult]] = []
@@ -313,8 +313,10 @@ class LLMEngine:
 
     def _advance_drafted(self, seq: ScheduledSeq, results: list[SampleResult]) -> RequestOutput:
         """Append a drafted decode's drawn tokens up to the first that differs from its draft
-        (or a row that could not be sampled), each through the stop checks."""
+        (or a row that could not be sampled), each through the stop checks. `results`: the
+        draws from its last forced draft on (`ScheduledSeq.num_drawn`)."""
         req = seq.request
+        results = [SampleResult(t) for t in seq.draft[: seq.num_forced]] + results
         good = list(itertools.takewhile(lambda r: r.error is None, results))
         if not good:
             return self._fail(req, results[0].error or "")
@@ -333,8 +335,11 @@ class LLMEngine:
                 if reason:
                     self._finish(req, reason)
                     break
-                if i < accepted and self._forces_next(req):
-                    break  # as jump-forward would: the next draft starts with those tokens
+                # Past the forced drafts (the grammar forces those in a row), a token after
+                # which the grammar forces more ends the run, as jump-forward would: the next
+                # draft starts with the forced tokens, tokenized canonically.
+                if seq.num_forced - 1 <= i < accepted and self._forces_next(req):
+                    break
         except Exception as e:
             log.exception("request %s failed after sampling", req.request_id)
             return self._fail(req, f"internal error: {type(e).__name__}: {e}")

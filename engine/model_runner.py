@@ -115,7 +115,7 @@ class ModelRunner:
         inputs = StepInputs.build(seqs, self.page_size)
         input_ids = None if after is None else self._fed_ids(seqs, inputs, after)
         logits = self.forward(inputs, input_ids)
-        rows = [s.request for s in seqs for _ in range(1 + len(s.draft)) if s.samples]
+        rows = [s.request for s in seqs for _ in range(s.num_drawn)]
         return Step(batch, rows, logits)
 
     @torch.inference_mode()
@@ -156,7 +156,7 @@ class ModelRunner:
             keep = [i for i, r in enumerate(step.rows) if r in wanted]
             logits = logits[upload([keep], torch.long, self.device)[0]]
         if masks is None and self.grammar is not None:
-            drafts = {s.request: s.draft for s in step.batch.seqs if s.draft}
+            drafts = {s.request: (s.draft, s.num_forced) for s in step.batch.seqs if s.draft}
             masks = self.grammar.start_fill(reqs, drafts)
         finite = torch.isfinite(logits).all(dim=1)  # (N,): comes back with the sampled tokens
         # The sampler computes on finite numbers only; the rows that had others are dropped.

@@ -31,12 +31,21 @@ class ScheduledSeq:
     # Fixed when scheduled (the step's postprocess appends tokens); read several times a step.
     samples: bool = field(init=False)
     # Draft tokens after the last known one (engine/speculative.py): the step computes them
-    # too and samples at each of their positions; `num_new_tokens` counts them.
+    # too and draws at their positions (`num_drawn`); `num_new_tokens` counts them.
     draft: list[int] = field(default_factory=list)
     num_forced: int = 0  # leading drafts the grammar forces: accepted without verification
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_new_tokens >= self.request.num_tokens
+
+    @property
+    def num_drawn(self) -> int:
+        """Positions the step draws a token at: a sampling seq's last; a drafted decode's from
+        its last forced draft on (what follows each looked-up draft, and the token after the
+        whole draft). Forced drafts need no draw: they are accepted as they are."""
+        if not self.samples:
+            return 0
+        return 1 + len(self.draft) - self.num_forced
 
 
 @dataclass

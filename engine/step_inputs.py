@@ -57,8 +57,8 @@ class StepInputs:
                 positions.extend(range(start, end))
                 slots.extend(_kv_slot(req.pages, p, page_size) for p in range(start, end))
                 query_start.append(query_start[-1] + n)
-            if s.draft:  # a speculative decode samples at every position
-                sample_rows.extend(range(len(ids) - n, len(ids)))
+            if s.draft:  # a speculative decode draws from its last forced draft on
+                sample_rows.extend(range(len(ids) - s.num_drawn, len(ids)))
             elif s.samples:
                 sample_rows.append(len(ids) - 1)
         num_decodes = len(seqs) - (len(query_start) - 1)

@@ -94,12 +94,13 @@ class GrammarStage:
     # -- the mask stage -------------------------------------------------------------------
 
     def start_fill(
-        self, reqs: list[Request], drafts: dict[Request, list[int]] | None = None
+        self, reqs: list[Request], drafts: dict[Request, tuple[list[int], int]] | None = None
     ) -> Future | None:
         """Fill the bitmask rows of the masked requests among `reqs` (the step's sampling
         rows, in order) on the helper thread; None when none is masked. A request with a draft
-        (`drafts`) has consecutive rows, one per position: each row is masked as if the draft
-        tokens before it had been accepted."""
+        (`drafts`: its tokens and how many lead forced) has consecutive rows, one per drawn
+        position (`ScheduledSeq.num_drawn`): each row is masked as if the draft tokens before
+        it had been accepted."""
         drafts = drafts or {}
         fillers: list[tuple[int, Callable[[torch.Tensor, int], None]]] = []
         rows: list[int] = []  # every masked row, a draft's later positions included
@@ -111,7 +112,7 @@ class GrammarStage:
             f = self._filler_of(r)
             if f is not None:
                 draft = drafts.get(r)
-                fillers.append((i, partial(_fill_draft, r.matcher, draft) if draft else f))
+                fillers.append((i, partial(_fill_draft, r.matcher, *draft) if draft else f))
                 rows.append(i)
         if not fillers:
             return None
@@ -247,18 +248,20 @@ class GrammarStage:
             self._compiler.close()
 
 
-def _fill_draft(matcher: Any, draft: list[int], bitmask: torch.Tensor, row: int) -> None:
-    """Rows `row..row + len(draft)`: the mask after each prefix of `draft`. Rows past a draft
-    token the grammar refuses stay unmasked: the draw before them cannot accept that token, so
-    their tokens are never used."""
-    matcher.fill_bitmask(bitmask, row)
+def _fill_draft(
+    matcher: Any, draft: list[int], num_forced: int, bitmask: torch.Tensor, row: int
+) -> None:
+    """Rows `row..row + len(draft) - num_forced`: the mask after each prefix of `draft` that
+    holds its forced tokens (those are not drawn). Rows past a draft token the grammar refuses
+    stay unmasked: the draw before them cannot accept that token, so their tokens are never
+    used."""
     n = 0
     try:
-        for n, token in enumerate(draft, 1):
-            if not matcher.accept(token):
-                n -= 1
+        for n in range(len(draft) + 1):
+            if n >= num_forced:
+                matcher.fill_bitmask(bitmask, row + n - num_forced)
+            if n == len(draft) or not matcher.accept(draft[n]):
                 break
-            matcher.fill_bitmask(bitmask, row + n)
     finally:
         matcher.rollback(n)
 
