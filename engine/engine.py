@@ -386,13 +386,15 @@ class LLMEngine:
         already queued: it decodes the sampled token, so no forced tokens may follow it."""
         sampled = [(r, s) for r, s in samples if not r.finished]
         self.scheduler.update(batch, {r: s.token_id for r, s in sampled if s.error is None})
+        spec = self.speculator if self.speculator and self.speculator.wants(len(sampled)) else None
         outputs = []
         for req, sample in sampled:
             if sample.error is not None:
                 outputs.append(self._fail(req, sample.error))
                 continue
-            try:
-                outputs.append(self._advance(req, sample, jump_forward))
+            try:  # the tokens a grammar forces go to the next step's draft if it drafts
+                jump = jump_forward and not (spec is not None and spec.drafts(req))
+                outputs.append(self._advance(req, sample, jump))
             except Exception as e:
                 log.exception("request %s failed after sampling", req.request_id)
                 outputs.append(self._fail(req, f"internal error: {type(e).__name__}: {e}"))

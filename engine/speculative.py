@@ -47,8 +47,9 @@ class Drafter(Protocol):
 class DraftGrammar(Protocol):
     """The grammar stage's side of drafting (engine/structured.py)."""
 
-    def forced_tokens(self, req: Request, limit: int) -> list[int]:
-        """Tokens the request's grammar forces next (fewer than `limit`)."""
+    def forced_tokens(self, req: Request, limit: int, with_last: bool = False) -> list[int]:
+        """Tokens the request's grammar forces next (fewer than `limit`); the final one, which
+        could merge with what follows, only `with_last`."""
         ...
 
     def valid_prefix(self, req: Request, tokens: list[int]) -> int:
@@ -125,18 +126,21 @@ class Speculator:
         for seq in decodes:
             req = seq.request
             left = min(tokens_left(req), budget + 1)
-            if left <= 1 or not self._eligible(req):
+            if left <= 1 or not self.drafts(req):
                 continue
-            forced: list[int] = []
+            forced: list[int] = []  # as jump-forward would append them, then the final one
             if grammar is not None and req.matcher is not None and req.params.logprobs is None:
-                forced = grammar.forced_tokens(req, left)  # as jump-forward would append them
-            k = min(self.k, left - 1 - len(forced))
+                forced = grammar.forced_tokens(req, left, with_last=True)
+            # The final forced token could merge with what follows: it is a draft the model
+            # verifies (proposed by the grammar, not looked up).
+            num_forced = max(len(forced) - 1, 0)
+            k = min(self.k, left - 1 - len(forced)) if self._looks_up(req) else 0
             looked = self.drafter.propose(req.token_ids + forced, k) if k > 0 else []
             if grammar is not None and looked:
                 allowed = grammar.valid_prefix(req, forced + looked)
                 looked = looked[: max(allowed - len(forced), 0)]
             draft = forced + looked
-            if draft and add_draft(seq, draft, len(forced)):
+            if draft and add_draft(seq, draft, num_forced):
                 budget -= len(draft)
                 any_draft = True
         return any_draft
@@ -163,11 +167,15 @@ class Speculator:
     def release(self, request_id: str) -> None:
         self._record.pop(request_id, None)
 
-    def _eligible(self, req: Request) -> bool:
+    def drafts(self, req: Request) -> bool:
+        """Whether the request's decodes get drafts: its grammar's forced tokens always (the
+        engine then leaves them to the draft instead of jump-forward, so they share a forward
+        with looked-up ones), looked-up ones while they pay (`_looks_up`)."""
         p = req.params
         if not p.speculative or p.needs_penalties:
             return False
-        if req.reasoning is not None:  # its budget counts tokens one by one
-            return False
+        return req.reasoning is None  # a reasoning budget counts tokens one by one
+
+    def _looks_up(self, req: Request) -> bool:
         drafted, accepted = self._record.get(req.request_id, (0, 0))
         return drafted < PROBATION or accepted >= MIN_ACCEPTANCE * drafted

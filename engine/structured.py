@@ -191,14 +191,14 @@ class GrammarStage:
         self.jump_forward_tokens += len(tokens)
         return tokens
 
-    def forced_tokens(self, req: Request, limit: int) -> list[int]:
+    def forced_tokens(self, req: Request, limit: int, with_last: bool = False) -> list[int]:
         """The tokens the grammar forces after the request's last token (at most `limit - 1`),
         the matcher left as it is.
 
         The forced text is retokenized together with the last token, so the boundary stays
         canonical: if the last token would merge with the forced text, nothing is forced. The
         final forced token is left for the model to sample, since it could merge with what
-        follows."""
+        follows; `with_last` returns it too (a draft then has the model verify it)."""
         if req.matcher is None or limit <= 1 or _thinking(req):
             return []
         forced = req.matcher.forced_continuation()
@@ -208,9 +208,9 @@ class GrammarStage:
         ids = self.tokenizer.encode(
             self.tokenizer.decode([last]) + forced, add_special_tokens=False
         )
-        if len(ids) < 3 or ids[0] != last:
+        if len(ids) < 2 or ids[0] != last:
             return []
-        return ids[1:-1][: limit - 1]
+        return (ids[1:] if with_last else ids[1:-1])[: limit - 1]
 
     @staticmethod
     def valid_prefix(req: Request, tokens: list[int]) -> int:

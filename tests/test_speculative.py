@@ -151,6 +151,43 @@ def test_constrained_drafts_are_forced_then_looked_up(smollm2):
     assert eng.allocator.num_free == free
 
 
+def test_a_forced_run_shares_one_forward_with_looked_up_drafts(smollm2):
+    """A tool call's head (`<tool_call>\n{"name": "...", "arguments": {"service": "`) is forced
+    by its grammar: the step after the first token emits all of it, and the value copied from
+    the prompt after it, in one forward; the tokens are those of plain decoding, and the call
+    validates."""
+    import json
+
+    import jsonschema
+
+    from grammar.tools import parse_tools, tool_constraint
+
+    tool = {"type": "function", "function": {"name": "search_logs", "parameters": {
+        "type": "object", "properties": {"service": {"type": "string"}},
+        "required": ["service"], "additionalProperties": False}}}
+    constraint = tool_constraint(parse_tools([tool], {"type": "function",
+                                                      "function": {"name": "search_logs"}}))
+    tok = smollm2.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "Search the logs of service payments-eu-west-1."}],
+        tokenize=False, add_generation_prompt=True))
+    params = SamplingParams(max_tokens=40, temperature=0, constraint=constraint)
+    plain = smollm2.generate([prompt], [params])[0]
+    eng = smollm2.engine
+    per_step: list[int] = []
+    with speculating(smollm2) as spec:
+        eng.add_request("forced-run", prompt, params)
+        while eng.has_unfinished_requests():
+            per_step.extend(len(o.new_token_ids) for o in eng.step())
+    assert sum(per_step) == len(plain.token_ids)
+    head = len(tok.encode('\n{"name": "search_logs", "arguments": {"service": "',
+                          add_special_tokens=False))
+    assert per_step[1] > head, per_step  # the forced head and what follows, in one forward
+    assert spec.stats.forced >= head - 1
+    call = plain.text.removeprefix("<tool_call>").split("</tool_call>")[0]
+    jsonschema.validate(json.loads(call)["arguments"], tool["function"]["parameters"])
+
+
 def test_a_request_whose_drafts_fail_stops_drafting():
     from engine.request import Request
     from engine.scheduler import ScheduledSeq
@@ -159,12 +196,13 @@ def test_a_request_whose_drafts_fail_stops_drafting():
     req = Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
     seq = ScheduledSeq(req, 4, 1)
     seq.draft = [3, 1, 2, 3]
-    assert spec._eligible(req)
+    assert spec._looks_up(req)
     while spec.stats.drafted < PROBATION:
         assert spec.accepted(seq, [9, 9, 9, 9, 9]) == 0  # every draft rejected
-    assert not spec._eligible(req)
+    assert not spec._looks_up(req)
+    assert spec.drafts(req)  # what its grammar forces is still drafted
     spec.release("r")
-    assert spec._eligible(req)
+    assert spec._looks_up(req)
     assert spec.accepted(seq, [3, 1, 7, 3, 0]) == 2
     assert MIN_ACCEPTANCE > 0
 
