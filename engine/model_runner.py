@@ -10,12 +10,13 @@ is reading the sampled tokens.
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.cuda_graphs import EXTEND_ROWS, DecodeGraphs, ExtendGraphs
+from engine.cuda_graphs import EXTEND_ROWS, DecodeGraphs, ExtendGraphs, VerifyGraphs
 from engine.kv_host import HostKVPool
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import Forward, TPGroup
@@ -76,6 +77,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, eos)
         self.graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         if cuda_graph_max_batch > 0 and self.device.type == "cuda":
             max_pages = min(-(-(max_model_len or num_pages * page_size) // page_size), num_pages)
             self.graphs = DecodeGraphs(
@@ -88,6 +90,12 @@ class ModelRunner:
                 lora,
             )
             self.extend_graphs.capture()
+            if cuda_graph_max_batch >= 2:
+                self.verify_graphs = VerifyGraphs(
+                    model, layers, page_size, self.pad_page, cuda_graph_max_batch, max_pages,
+                    lora,
+                )
+                self.verify_graphs.capture()
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[tuple[Request, SampleResult]]:
@@ -200,8 +208,9 @@ class ModelRunner:
     def _graph_logits(
         self, inputs: StepInputs, input_ids: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """Logits of a decode-only step, or of one sequence's short last chunk, from a CUDA
-        graph; None when no graph fits the step.
+        """Logits of a decode-only step, of one sequence's short last chunk, or of a few
+        sequences' short chunks (a speculative step's drafted decodes), from a CUDA graph;
+        None when no graph fits the step.
         `input_ids`: the decodes' tokens on the device (else they are read from `inputs`)."""
         if self.graphs is None:
             return None
@@ -212,7 +221,13 @@ class ModelRunner:
                     n, inputs.context_lens[0]):
                 return None
             return extend.run(inputs)
-        if inputs.num_decodes != num_seqs or sampled != num_seqs:  # not every seq a sampled decode
+        if inputs.num_decodes != num_seqs:  # some seq computes several tokens
+            verify = self.verify_graphs
+            if input_ids is None and verify is not None and _ends_sampled(inputs) and \
+                    verify.fits(inputs):
+                return verify.run(inputs)
+            return None
+        if sampled != num_seqs:  # not every seq a sampled decode
             return None
         if not self.graphs.fits(num_seqs, max(inputs.context_lens)):
             return None
@@ -258,6 +273,12 @@ class Step:
     logits: torch.Tensor  # (len(rows), vocab) fp32
     drawn: Drawn | None = None
     grammar_errors: dict[int, str] = field(default_factory=dict)  # drawn row -> why
+
+
+def _ends_sampled(inputs: StepInputs) -> bool:
+    """Every sequence of the step is sampled at its last token (none is a prompt mid-way)."""
+    rows = set(inputs.sample_rows)
+    return all(end - 1 in rows for end in itertools.accumulate(inputs.num_new_tokens))
 
 
 def _flat(tables: list[list[int]]) -> list[int]:

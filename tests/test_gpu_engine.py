@@ -135,3 +135,39 @@ def test_graphs_follow_a_changing_batch(tiny):
     cpu, _ = generate(base, adapters, requests, lengths, device="cpu")
     graphed, graphs = generate(base, adapters, requests, lengths, device="cuda")
     assert graphs is not None and graphed == cpu
+
+
+class EchoDrafter:
+    """Proposes the sequence's last few tokens again: a draft at every decode, of lengths 1..k
+    (rarely accepted by random weights; the verify step's cost and layout are what count)."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return tokens[-(1 + len(tokens) % k):]
+
+
+def test_verify_graphs_match_cpu(tiny):
+    """Speculative steps of several sequences (drafts of several lengths, plain decodes beside
+    them, two adapters and the base model) replay the verify graphs; the tokens equal the CPU
+    path's."""
+    from engine import LLM, SamplingParams
+    from engine.speculative import Speculator
+
+    base, adapters = tiny
+    requests = [None, "all8", None, "qv4", "all8"]
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 30, 9, 44)]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, adapter=a)
+              for a in requests]
+    outs, replays = {}, []
+    for device in ("cpu", "cuda"):
+        llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device)
+        for name, path in adapters.items():
+            llm.load_adapter(name, path)
+        llm.engine.speculator = Speculator(4, EchoDrafter())
+        if device == "cuda":
+            graphs = llm.engine.runner.verify_graphs
+            graphs.run = lambda inputs, run=graphs.run: replays.append(len(inputs.tables)) or \
+                run(inputs)
+        outs[device] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["cuda"] == outs["cpu"]
+    assert replays and max(replays) == len(prompts), replays

@@ -263,3 +263,41 @@ def test_acceptance_keeps_the_target_distribution():
     p = float(PROBS8[draft])
     assert abs(accepted - n * p) < 4 * (n * p * (1 - p)) ** 0.5
     assert spec.stats.accepted == accepted
+
+
+def test_verify_graph_inputs_give_the_eager_logits(smollm2):
+    """On a GPU, a speculative step of several sequences replays a CUDA graph
+    (`engine.cuda_graphs.VerifyGraphs`): `verify_forward` over `verify_layout`'s padded inputs.
+    Run here without the capture, that forward gives each such step's eager logits."""
+    from engine.cuda_graphs import VERIFY_QUERIES, VERIFY_SIZES, verify_forward, verify_layout
+    from engine.model_runner import _ends_sampled
+
+    runner = smollm2.engine.runner
+    forward, checked = runner.forward, []
+
+    def both(inputs, input_ids=None):
+        logits = forward(inputs, input_ids)
+        s = len(inputs.tables)
+        if 2 <= s <= VERIFY_SIZES[-1] and inputs.num_decodes < s and _ends_sampled(inputs) \
+                and max(inputs.num_new_tokens) <= VERIFY_QUERIES:
+            b = next(size for size in VERIFY_SIZES if size >= s)
+            d = {k: torch.from_numpy(v) for k, v in
+                 verify_layout(inputs, b, runner.pad_page, runner.page_size).items()}
+            starts = torch.arange(0, (b + 1) * VERIFY_QUERIES, VERIFY_QUERIES, dtype=torch.int32)
+            got = verify_forward(runner.model, runner.kv_caches, d, b, runner.page_size, starts)
+            torch.testing.assert_close(got[: len(inputs.sample_rows)], logits,
+                                       atol=2e-4, rtol=1e-4)
+            checked.append((s, sum(inputs.num_new_tokens)))
+        return logits
+
+    prompts = _copy_prompts(smollm2)
+    params = [SamplingParams(max_tokens=24, temperature=0),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=24, temperature=0)]
+    runner.forward = both
+    try:
+        with speculating(smollm2, k=3):
+            smollm2.generate(prompts, params)
+    finally:
+        del runner.forward
+    assert any(tokens > s for s, tokens in checked), checked  # drafts in several sequences
