@@ -65,9 +65,13 @@ def main() -> None:
     with rec.section("setup", 90) as s:
         t = time.monotonic()
         pages_per_seq = -(-(PROMPT_LEN + args.steps + 8) // 16)
+        # Built to speculate (so its verify graphs are captured), but it speculates only in
+        # the speculative section, which sets its speculator.
         llm = LLM(args.model, dtype="bfloat16", device="cuda", max_num_seqs=seqs,
                   max_num_batched_tokens=16384, num_pages=seqs * pages_per_seq + 1200,
-                  max_loras=most, max_cpu_loras=most, max_lora_rank=RANK)
+                  max_loras=most, max_cpu_loras=most, max_lora_rank=RANK,
+                  num_speculative_tokens=4)
+        llm.engine.speculator = None
         torch.cuda.synchronize()
         cfg = llm.engine.model_config
         s.result.update(load_s=round(time.monotonic() - t, 1), copy_bw=copy_bandwidth(),

@@ -342,7 +342,6 @@ class ExtendGraphs(_GraphSet):
         return self.model.compute_logits(hidden.index_select(0, d["sample_rows"]))
 
 
-VERIFY_QUERIES = 8  # queries per sequence in a verify graph: its last token and up to 7 drafts
 VERIFY_SIZES = (2, 4, 8, 16)  # sequences; one sequence's verify step replays an extend graph
 
 
@@ -353,7 +352,7 @@ class VerifyGraphs(_GraphSet):
     time launching kernels than GPU time running them.
 
     A step of `s` sequences replays the graph of the smallest size `b >= s`. Each sequence gets
-    `VERIFY_QUERIES` query slots: its `n` real tokens, then padding queries at the positions
+    `queries` query slots (1 + the engine's draft tokens): its `n` real tokens, then padding queries at the positions
     after them, which causality hides from the real ones; they write their K/V to the pad page
     and their logits are not kept. Sequences `s..b` are padding throughout. LoRA is segmented:
     a sequence's padding queries take its adapter, so that each sequence stays one run.
@@ -361,10 +360,9 @@ class VerifyGraphs(_GraphSet):
 
     lora_kernels = ("segmented",)
 
-    @staticmethod
-    def segment_capacity(b: int) -> int:
+    def segment_capacity(self, b: int) -> int:
         """Runs of equal slot over `b` sequences (at most `b`), cut into `MAX_ROWS` rows."""
-        return b + -(-b * VERIFY_QUERIES // MAX_ROWS)
+        return b + -(-b * self.queries // MAX_ROWS)
 
     def __init__(
         self,
@@ -375,44 +373,45 @@ class VerifyGraphs(_GraphSet):
         max_seqs: int,
         max_pages_per_seq: int,
         lora: LoraContext | None,
+        queries: int,
     ):
+        self.queries = q = queries
         sizes = [s for s in VERIFY_SIZES if s <= max_seqs]
         b = sizes[-1]
-        t = b * VERIFY_QUERIES
+        t = b * q
         super().__init__(model, kv_caches, page_size, pad_page, max_pages_per_seq, lora, sizes, {
             "input_ids": (torch.long, (t,), 0),
             "positions": (torch.long, (t,), 0),
             "slot_mapping": (torch.long, (t,), pad_page * page_size),
             "sample_rows": (torch.long, (t,), 0),
-            "lens": (torch.int32, (b,), VERIFY_QUERIES),
+            "lens": (torch.int32, (b,), q),
             "seg_indptr": (torch.int32, (self.segment_capacity(b) + 1,), 0),
             "seg_slots": (torch.int32, (self.segment_capacity(b),), -1),
             "tables": (torch.int32, (b, max_pages_per_seq), pad_page),
         })
         device = model.embed_tokens.weight.device
-        self.query_start = {
-            s: torch.arange(0, (s + 1) * VERIFY_QUERIES, VERIFY_QUERIES, dtype=torch.int32,
-                            device=device) for s in self.sizes}
+        self.query_start = {s: torch.arange(0, (s + 1) * q, q, dtype=torch.int32, device=device)
+                            for s in self.sizes}
 
     def fits(self, inputs: StepInputs) -> bool:
-        """A step of 2..max sequences, each `VERIFY_QUERIES` tokens or fewer and sampled at its
-        last (a decode, drafted or not, or a prompt's last chunk), with room in the table for
-        its padding's positions."""
+        """A step of 2..max sequences, each `queries` tokens or fewer and sampled at its last
+        (a decode, drafted or not, or a prompt's last chunk), with room in the table for its
+        padding's positions."""
         num_seqs = len(inputs.tables)
         if not 2 <= num_seqs <= self.sizes[-1]:
             return False
-        limit = self.max_pages * self.page_size - VERIFY_QUERIES
+        limit = self.max_pages * self.page_size - self.queries
         starts = _seq_starts(inputs)
-        return all(n <= VERIFY_QUERIES and inputs.positions[i] <= limit
+        return all(n <= self.queries and inputs.positions[i] <= limit
                    for i, n in zip(starts, inputs.num_new_tokens, strict=True))
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay for a step that `fits`. Returns the fp32 logits [rows, vocab] of its
         `inputs.sample_rows` (a view, valid until the next replay)."""
-        s, q = len(inputs.tables), VERIFY_QUERIES
+        s, q = len(inputs.tables), self.queries
         b = next(size for size in self.sizes if size >= s)
         h = self._stage()
-        layout = verify_layout(inputs, b, self.pad_page, self.page_size)
+        layout = verify_layout(inputs, b, q, self.pad_page, self.page_size)
         tables = layout.pop("tables")
         for name, values in layout.items():
             h[name][: len(values)] = values
@@ -429,19 +428,19 @@ class VerifyGraphs(_GraphSet):
         return logits[: len(inputs.sample_rows)]
 
     def _forward(self, b: int) -> torch.Tensor:
-        return verify_forward(self.model, self.kv_caches, self.inputs.dev, b, self.page_size,
-                              self.query_start[b])
+        return verify_forward(self.model, self.kv_caches, self.inputs.dev, b, self.queries,
+                              self.page_size, self.query_start[b])
 
 
 def verify_layout(
-    inputs: StepInputs, b: int, pad_page: int, page_size: int
+    inputs: StepInputs, b: int, q: int, pad_page: int, page_size: int
 ) -> dict[str, np.ndarray]:
     """A verify graph's static inputs of size `b` for a step that fits it: each sequence's
-    tokens at its `VERIFY_QUERIES` query slots, padding queries after them (token 0, at the
+    tokens at its `q` query slots, padding queries after them (token 0, at the
     positions that follow, K/V to the pad page), whole padding sequences past the step's; the
     sampled rows at their slots (unread rows: 0). `tables` are as wide as the step needs,
     padded with the pad page."""
-    s, q = len(inputs.tables), VERIFY_QUERIES
+    s = len(inputs.tables)
     counts = np.asarray(inputs.num_new_tokens)
     starts = np.asarray(_seq_starts(inputs))
     within = np.arange(q)
@@ -478,12 +477,13 @@ def verify_forward(
     kv_caches: KVCaches,
     d: dict[str, torch.Tensor],
     b: int,
+    q: int,
     page_size: int,
     query_start: torch.Tensor,
 ) -> torch.Tensor:
-    """The forward of a verify graph of size `b` over its inputs `d` (`verify_layout`'s, on
-    the device): fp32 logits [b * VERIFY_QUERIES, vocab] of `d["sample_rows"]`."""
-    t = b * VERIFY_QUERIES
+    """The forward of a verify graph of size `b`, `q` queries a sequence, over its inputs `d`
+    (`verify_layout`'s, on the device): fp32 logits [b * q, vocab] of `d["sample_rows"]`."""
+    t = b * q
     meta = AttentionMetadata(
         slot_mapping=d["slot_mapping"][:t],
         page_size=page_size,
@@ -493,7 +493,7 @@ def verify_forward(
         prefill_tables=d["tables"][:b],
         prefill_query_start=query_start,
         prefill_lens=d["lens"][:b],
-        max_prefill_len=VERIFY_QUERIES,
+        max_prefill_len=q,
     )
     hidden = model(d["input_ids"][:t], d["positions"][:t], kv_caches, meta)
     return model.compute_logits(hidden.index_select(0, d["sample_rows"][:t]))

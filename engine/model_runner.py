@@ -46,13 +46,16 @@ class ModelRunner:
         eos_token_ids: list[int] | None = None,
         host_kv_pages: int = 0,
         tp: TPGroup | None = None,
+        verify_queries: int = 0,
     ):
         """`cuda_graph_max_batch > 0` on a CUDA model captures decode graphs for batches up to
         that size and contexts up to `max_model_len` (default: the whole pool).
         `eos_token_ids` (default: the model config's) are banned until a request's
         `min_tokens`. `host_kv_pages > 0` adds the prefix cache's host tier (`host_kv`).
         With `tp` (tensor parallelism), rank 0's runner sends each forward's inputs to the
-        other ranks' runners (`engine.parallel`), which run the same `forward`."""
+        other ranks' runners (`engine.parallel`), which run the same `forward`.
+        `verify_queries` (1 + the engine's draft tokens; 0: it does not speculate) sizes the
+        graphs of speculative steps of several sequences."""
         self.model = model
         self.tp = tp
         self.grammar = grammar
@@ -90,10 +93,10 @@ class ModelRunner:
                 lora,
             )
             self.extend_graphs.capture()
-            if cuda_graph_max_batch >= 2:
+            if cuda_graph_max_batch >= 2 and verify_queries > 1:
                 self.verify_graphs = VerifyGraphs(
                     model, layers, page_size, self.pad_page, cuda_graph_max_batch, max_pages,
-                    lora,
+                    lora, verify_queries,
                 )
                 self.verify_graphs.capture()
 

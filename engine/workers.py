@@ -166,6 +166,7 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: 
             model, c.num_pages, c.page_size, c.seed, lora=wrap_model(model, slots) if slots
             else None, cuda_graph_max_batch=c.max_num_seqs if c.cuda_graphs else 0,
             max_model_len=c.max_model_len, eos_token_ids=setup.eos_token_ids, tp=tp,
+            verify_queries=1 + c.num_speculative_tokens if c.num_speculative_tokens else 0,
         )
         while (msg := tp.recv()) != STOP:
             if isinstance(msg, Forward):

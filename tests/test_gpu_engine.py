@@ -160,7 +160,8 @@ def test_verify_graphs_match_cpu(tiny):
               for a in requests]
     outs, replays = {}, []
     for device in ("cpu", "cuda"):
-        llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device)
+        llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device,
+                  num_speculative_tokens=4)
         for name, path in adapters.items():
             llm.load_adapter(name, path)
         llm.engine.speculator = Speculator(4, EchoDrafter())

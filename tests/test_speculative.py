@@ -269,22 +269,23 @@ def test_verify_graph_inputs_give_the_eager_logits(smollm2):
     """On a GPU, a speculative step of several sequences replays a CUDA graph
     (`engine.cuda_graphs.VerifyGraphs`): `verify_forward` over `verify_layout`'s padded inputs.
     Run here without the capture, that forward gives each such step's eager logits."""
-    from engine.cuda_graphs import VERIFY_QUERIES, VERIFY_SIZES, verify_forward, verify_layout
+    from engine.cuda_graphs import VERIFY_SIZES, verify_forward, verify_layout
     from engine.model_runner import _ends_sampled
 
     runner = smollm2.engine.runner
-    forward, checked = runner.forward, []
+    forward, checked, q = runner.forward, [], 4  # 1 + the drafts of `speculating(k=3)`
 
     def both(inputs, input_ids=None):
         logits = forward(inputs, input_ids)
         s = len(inputs.tables)
         if 2 <= s <= VERIFY_SIZES[-1] and inputs.num_decodes < s and _ends_sampled(inputs) \
-                and max(inputs.num_new_tokens) <= VERIFY_QUERIES:
+                and max(inputs.num_new_tokens) <= q:
             b = next(size for size in VERIFY_SIZES if size >= s)
             d = {k: torch.from_numpy(v) for k, v in
-                 verify_layout(inputs, b, runner.pad_page, runner.page_size).items()}
-            starts = torch.arange(0, (b + 1) * VERIFY_QUERIES, VERIFY_QUERIES, dtype=torch.int32)
-            got = verify_forward(runner.model, runner.kv_caches, d, b, runner.page_size, starts)
+                 verify_layout(inputs, b, q, runner.pad_page, runner.page_size).items()}
+            starts = torch.arange(0, (b + 1) * q, q, dtype=torch.int32)
+            got = verify_forward(runner.model, runner.kv_caches, d, b, q, runner.page_size,
+                                 starts)
             torch.testing.assert_close(got[: len(inputs.sample_rows)], logits,
                                        atol=2e-4, rtol=1e-4)
             checked.append((s, sum(inputs.num_new_tokens)))
