@@ -56,17 +56,18 @@ SEARCH_LOGS = {"type": "function", "function": {
 
 # name -> (messages, constraint, agent): `agent` workloads make the agent trace; the
 # free-text control copies little and is reported beside it.
+TOOL_PROMPT = (f"Logs:\n{LOG}\n\nThe first failing request is service billing, path "
+               "/v1/invoices/8812, upstream payments-eu-west-1. Search its logs.")
+EDIT_PROMPT = ("Rename the parameter settings_store to store in this function and show the "
+               f"whole function:\n\n{CODE}")
 WORKLOADS = {
-    "tool_call": ([{"role": "system", "content": FALLBACK_SYSTEM.format(tools=json.dumps(SEARCH_LOGS))},
-                   {"role": "user", "content": f"Logs:\n{LOG}\n\nThe first failing request is service "
-                                               "billing, path /v1/invoices/8812, upstream "
-                                               "payments-eu-west-1. Search its logs."}],
+    "tool_call": ([{"role": "system",
+                    "content": FALLBACK_SYSTEM.format(tools=json.dumps(SEARCH_LOGS))},
+                   {"role": "user", "content": TOOL_PROMPT}],
                   tool_constraint(parse_tools([SEARCH_LOGS], "required")), True),
-    "code_edit": ([{"role": "user", "content": "Rename the parameter settings_store to store in "
-                                               f"this function and show the whole function:\n\n{CODE}"}],
-                  None, True),
-    "json_schema": ([{"role": "user", "content": f"Logs:\n{LOG}\n\nDescribe the failing service "
-                                                 "as JSON."}],
+    "code_edit": ([{"role": "user", "content": EDIT_PROMPT}], None, True),
+    "json_schema": ([{"role": "user", "content": f"Logs:\n{LOG}\n\nDescribe the failing "
+                                                 "service as JSON."}],
                     parse_constraint({"type": "json_schema",
                                       "json_schema": {"name": "r", "schema": SCHEMA}}), True),
     "free_text": ([{"role": "user", "content": "Give three short tips for writing clear commit "

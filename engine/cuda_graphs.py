@@ -352,10 +352,11 @@ class VerifyGraphs(_GraphSet):
     time launching kernels than GPU time running them.
 
     A step of `s` sequences replays the graph of the smallest size `b >= s`. Each sequence gets
-    `queries` query slots (1 + the engine's draft tokens): its `n` real tokens, then padding queries at the positions
-    after them, which causality hides from the real ones; they write their K/V to the pad page
-    and their logits are not kept. Sequences `s..b` are padding throughout. LoRA is segmented:
-    a sequence's padding queries take its adapter, so that each sequence stays one run.
+    `queries` query slots (1 + the engine's draft tokens): its `n` real tokens, then padding
+    queries at the positions after them, which causality hides from the real ones; they write
+    their K/V to the pad page and their logits are not kept. Sequences `s..b` are padding
+    throughout. LoRA is segmented: a sequence's padding queries take its adapter, so that each
+    sequence stays one run.
     """
 
     lora_kernels = ("segmented",)
