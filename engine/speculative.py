@@ -67,22 +67,23 @@ class PromptLookup:
         self.min_ngram, self.max_ngram, self.window = min_ngram, max_ngram, window
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        seq = tokens[-self.window :]
-        last, end = seq[-1], len(seq) - 1
+        end = len(tokens) - 1
+        last, lo = tokens[end], max(end - self.window + 1, 0)
         best, best_len = -1, 0
-        for i in range(end - 1, -1, -1):  # earlier ends of a match, latest first
-            if seq[i] != last:
-                continue
+        i = lo - 1
+        while True:  # earlier ends of a match, in order (`list.index` scans in C)
+            try:
+                i = tokens.index(last, i + 1, end)
+            except ValueError:
+                break
             n = 1
-            while n < self.max_ngram and n <= i and seq[i - n] == seq[end - n]:
+            while n < self.max_ngram and n <= i - lo and tokens[i - n] == tokens[end - n]:
                 n += 1
-            if n > best_len:
+            if n >= best_len:  # longer wins; among equals, the later
                 best, best_len = i, n
-                if n == self.max_ngram:
-                    break
         if best_len < self.min_ngram:
             return []
-        return seq[best + 1 : best + 1 + k]
+        return tokens[best + 1 : best + 1 + k]
 
 
 @dataclass

@@ -25,6 +25,10 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert d.propose([1, 2, 7, 3, 1, 2, 8, 0, 1, 2], 1) == [8]
     assert d.propose([1, 2, 3], 3) == []  # no earlier occurrence
     assert d.propose([4, 2, 5, 2], 3) == []  # a 1-token match is below min_ngram
+    # Only the last `window` tokens are searched, the match's n-gram included.
+    recent = PromptLookup(min_ngram=2, max_ngram=4, window=6)
+    assert recent.propose([1, 2, 3, 9, 9, 9, 1, 2], 2) == []
+    assert recent.propose([1, 2, 3, 9, 1, 2, 7, 1, 2], 2) == [7, 1]
 
 
 @contextmanager
