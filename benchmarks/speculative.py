@@ -145,7 +145,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    llm = LLM(model=args.model, max_num_seqs=16, num_pages=1024)
+    llm = LLM(model=args.model, max_num_seqs=16, num_pages=1024,
+              num_speculative_tokens=args.k)
+    assert llm.engine.speculator is not None
+    max_batch = llm.engine.speculator.max_batch  # the engine's choice for its device
+    llm.engine.speculator = None
     tok = llm.tokenizer
     llm.generate([tok.encode("warm up")], [SamplingParams(max_tokens=4)])
     report: dict[str, dict] = {}
@@ -165,7 +169,7 @@ def main() -> None:
                 totals, base = run(llm, prompts, params)
                 off.add(totals)
                 llm.engine.reset_prefix_cache()
-                llm.engine.speculator = stats = Speculator(args.k)
+                llm.engine.speculator = stats = Speculator(args.k, max_batch=max_batch)
                 try:
                     totals, spec = run(llm, prompts, params)
                 finally:

@@ -33,7 +33,7 @@ from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Batch, ScheduledSeq, Scheduler
-from engine.speculative import Speculator
+from engine.speculative import CPU_MAX_BATCH, MAX_BATCH, Speculator
 from engine.structured import GrammarStage
 from engine.workers import Workers
 from lora.layers import wrap_model
@@ -81,7 +81,8 @@ class LLMEngine:
                                      device.type)  # from here on, no "auto" settings
         self.max_model_len = cfg.max_model_len
         self.overlap = cfg.overlap_schedule
-        self.speculator = (Speculator(cfg.num_speculative_tokens)
+        self.speculator = (Speculator(cfg.num_speculative_tokens, max_batch=MAX_BATCH
+                                      if device.type == "cuda" else CPU_MAX_BATCH)
                            if cfg.num_speculative_tokens else None)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -17,9 +17,10 @@ looked-up tokens, cut where the grammar refuses one. Each position's draw is mas
 grammar in the state the draft tokens before it lead to (`GrammarStage.start_fill`), so the
 target distribution is the constrained one at every position.
 
-Where speculation does not pay it stays off: in batches of more than `MAX_BATCH` decodes (the
-forward is no longer memory-bound, so extra positions cost compute), and for a request whose
-looked-up drafts have mostly been rejected. Penalized requests (penalties count the tokens
+Where speculation does not pay it stays off: in batches of more than `max_batch` decodes (the
+forward is no longer memory-bound, so extra positions cost compute: `MAX_BATCH` on a GPU, and
+`CPU_MAX_BATCH` on a CPU, whose forward is compute-bound from a few rows on), and for a request
+whose looked-up drafts have mostly been rejected. Penalized requests (penalties count the tokens
 before each position), reasoning ones (their budget counts tokens one by one) and requests that
 opt out (`SamplingParams.speculative=False`) do not speculate.
 """
@@ -33,7 +34,10 @@ from typing import Protocol
 from engine.request import Request
 from engine.scheduler import Batch, ScheduledSeq
 
-MAX_BATCH = 16  # decodes in a step beyond which no step speculates
+MAX_BATCH = 16  # decodes in a step beyond which no step speculates (GPUs)
+# On a CPU, 4 decodes with 4 drafts each ran at 0.92x of plain decoding (5 rows cost what 1
+# does, 20 rows 2-3x): only a lone decode speculates (benchmarks/results/speculative_cpu.md).
+CPU_MAX_BATCH = 1
 MIN_ACCEPTANCE = 0.2  # a request whose drafts are accepted less often stops drafting ...
 PROBATION = 16  # ... once this many of its draft tokens have been verified
 
@@ -98,8 +102,9 @@ class SpecStats:
 class Speculator:
     """Attaches drafts to a batch's decodes and accounts for what was accepted."""
 
-    def __init__(self, num_tokens: int, drafter: Drafter | None = None):
-        self.k = num_tokens
+    def __init__(self, num_tokens: int, drafter: Drafter | None = None,
+                 max_batch: int = MAX_BATCH):
+        self.k, self.max_batch = num_tokens, max_batch
         self.drafter = drafter or PromptLookup()
         self.stats = SpecStats()
         self._record: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted)
@@ -107,7 +112,7 @@ class Speculator:
     def wants(self, num_decodes: int) -> bool:
         """Would a step of this many decodes speculate? (The overlapped loop then hands back
         to the regular schedule, which attaches drafts.)"""
-        return num_decodes <= MAX_BATCH
+        return num_decodes <= self.max_batch
 
     def attach(
         self,
@@ -120,7 +125,7 @@ class Speculator:
         """Give the batch's eligible decodes their drafts within `budget` extra tokens;
         whether any got one. `tokens_left`: how many tokens a request may still produce."""
         decodes = [s for s in batch.seqs if s.num_new_tokens == 1 and s.samples]
-        if not decodes or len(decodes) > MAX_BATCH:
+        if not decodes or not self.wants(len(decodes)):
             return False
         budget -= batch.num_tokens
         any_draft = False

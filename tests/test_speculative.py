@@ -306,3 +306,14 @@ def test_verify_graph_inputs_give_the_eager_logits(smollm2):
     finally:
         del runner.forward
     assert any(tokens > s for s, tokens in checked), checked  # drafts in several sequences
+
+
+def test_a_cpu_engine_speculates_for_a_lone_decode_only():
+    """On a CPU the forward is compute-bound from a few rows on: `num_speculative_tokens`
+    gives a speculator that drafts only when a step has one decode."""
+    from engine import LLM
+    from engine.speculative import CPU_MAX_BATCH, MAX_BATCH
+
+    spec = LLM("synthetic:tiny", num_pages=64, num_speculative_tokens=3).engine.speculator
+    assert spec is not None and spec.k == 3 and spec.max_batch == CPU_MAX_BATCH < MAX_BATCH
+    assert spec.wants(1) and not spec.wants(2)
