@@ -3,15 +3,15 @@
 `F.linear(x, W)` is the GEMM `x @ W^T`. On CPUs, with few rows (a decode step, a verify step of
 a few drafts), MKL runs it far below the memory bandwidth: a one-row product goes to its GEMV,
 and a few rows to a GEMM path tuned for large ones. The same product taken as `(W @ x^T)^T`
-streams the weight once at close to the copy bandwidth. Measured on this project's 2-core CPU
-(AMD EPYC, MKL 2024.2) over all of SmolLM2-135M's projections, ms per forward
-(`benchmarks/cpu_linear.py`):
+runs several times faster there. Measured on this project's 2-core CPU (AMD EPYC, MKL 2024.2)
+over all of SmolLM2-135M's projections, ms per forward (`benchmarks/cpu_linear.py`,
+benchmarks/results/cpu_linear.md):
 
 | rows | `F.linear` | weight-first |
 |---|---|---|
-| 1 | 26 | 15 (two columns: see below) |
-| 4 | 39 | 13 |
-| 128 | 164 | 151 |
+| 1 | 34 | 17 (two columns: see below) |
+| 4 | 52 | 20 |
+| 128 | 257 | 218 |
 
 One row is computed as two equal columns: the GEMM of two columns beats MKL's GEMV. The result
 is the same product, summed in a different order (last-bit differences). GPUs and other dtypes
