@@ -267,16 +267,25 @@ def speculative(llm: LLM, s: Section, prompts, steps: int, k: int = 4) -> None:
     eng = llm.engine
     for b in (1, 16, 64):
         runs: dict[str, list] = {"off": [], "on": []}
+        drafted = 0  # sequence-steps that carried drafts, in the "on" rounds
         for _ in range(2):
             for kind in runs:
-                eng.speculator = Speculator(k, RepeatLast()) if kind == "on" else None
+                # Random weights reject the drafts: without min_acceptance=0 a request would
+                # stop drafting after its first PROBATION drafts, and the steps timed would be
+                # plain ones.
+                spec = Speculator(k, RepeatLast(), min_acceptance=0.0) if kind == "on" else None
+                eng.speculator = spec
                 try:
                     runs[kind].append(decode_round(llm, prompts[:b], lambda i, n: greedy(n),
                                                    steps))
                 finally:
                     eng.speculator = None
+                drafted += spec.stats.forwards if spec else 0
         off, on = (min(r.step_s for r in runs[kind]) for kind in ("off", "on"))
-        s.result[f"step_ms_b{b}"] = {"plain": round(off * 1e3, 2), "spec": round(on * 1e3, 2)}
+        s.result[f"step_ms_b{b}"] = {"plain": round(off * 1e3, 2), "spec": round(on * 1e3, 2),
+                                     # of the on rounds' sequence-steps past prefill
+                                     "drafted_fraction": round(drafted / (2 * b * (steps + 2)),
+                                                               3)}
         if b == 64:
             s.result["spec_on_vs_off_b64"] = round(off / on, 3)
         else:

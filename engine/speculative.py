@@ -103,8 +103,10 @@ class Speculator:
     """Attaches drafts to a batch's decodes and accounts for what was accepted."""
 
     def __init__(self, num_tokens: int, drafter: Drafter | None = None,
-                 max_batch: int = MAX_BATCH):
-        self.k, self.max_batch = num_tokens, max_batch
+                 max_batch: int = MAX_BATCH, min_acceptance: float = MIN_ACCEPTANCE):
+        """`min_acceptance`: a request whose looked-up drafts are accepted less often stops
+        looking up once `PROBATION` of them were verified (0: never stops)."""
+        self.k, self.max_batch, self.min_acceptance = num_tokens, max_batch, min_acceptance
         self.drafter = drafter or PromptLookup()
         self.stats = SpecStats()
         self._record: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted)
@@ -184,4 +186,4 @@ class Speculator:
 
     def _looks_up(self, req: Request) -> bool:
         drafted, accepted = self._record.get(req.request_id, (0, 0))
-        return drafted < PROBATION or accepted >= MIN_ACCEPTANCE * drafted
+        return drafted < PROBATION or accepted >= self.min_acceptance * drafted
