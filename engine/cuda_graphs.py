@@ -342,7 +342,7 @@ class ExtendGraphs(_GraphSet):
         return self.model.compute_logits(hidden.index_select(0, d["sample_rows"]))
 
 
-VERIFY_SIZES = (2, 4, 8, 16)  # sequences; one sequence's verify step replays an extend graph
+VERIFY_SIZES = (1, 2, 4, 8, 16)  # sequences
 
 
 class VerifyGraphs(_GraphSet):
@@ -395,11 +395,11 @@ class VerifyGraphs(_GraphSet):
                             for s in self.sizes}
 
     def fits(self, inputs: StepInputs) -> bool:
-        """A step of 2..max sequences, each `queries` tokens or fewer and sampled at its last
+        """A step of 1..max sequences, each `queries` tokens or fewer and sampled at its last
         (a decode, drafted or not, or a prompt's last chunk), with room in the table for its
         padding's positions."""
         num_seqs = len(inputs.tables)
-        if not 2 <= num_seqs <= self.sizes[-1]:
+        if not 1 <= num_seqs <= self.sizes[-1]:
             return False
         limit = self.max_pages * self.page_size - self.queries
         starts = _seq_starts(inputs)

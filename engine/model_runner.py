@@ -218,17 +218,18 @@ class ModelRunner:
         if self.graphs is None:
             return None
         num_seqs, sampled = len(inputs.tables), len(inputs.sample_rows)
+        if inputs.num_decodes != num_seqs:  # some seq computes several tokens
+            verify = self.verify_graphs
+            if input_ids is None and verify is not None and _ends_sampled(inputs) and \
+                    verify.fits(inputs):
+                return verify.run(inputs)
         if num_seqs == 1 and inputs.num_new_tokens[0] > 1:
             n, extend = inputs.num_new_tokens[0], self.extend_graphs
             if not 1 <= sampled <= EXTEND_ROWS or extend is None or not extend.fits(
                     n, inputs.context_lens[0]):
                 return None
             return extend.run(inputs)
-        if inputs.num_decodes != num_seqs:  # some seq computes several tokens
-            verify = self.verify_graphs
-            if input_ids is None and verify is not None and _ends_sampled(inputs) and \
-                    verify.fits(inputs):
-                return verify.run(inputs)
+        if inputs.num_decodes != num_seqs:
             return None
         if sampled != num_seqs:  # not every seq a sampled decode
             return None
