@@ -60,9 +60,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class _GraphSet:
-    """What the decode, extend and verify graph sets share: static inputs staged on the host and sent
-    up in one copy per replay; capturing every size, without LoRA and with each LoRA kernel of
-    `lora_kernels`."""
+    """What the decode, extend and verify graph sets share: static inputs staged on the host
+    and sent up in one copy per replay; capturing every size, without LoRA and with each LoRA
+    kernel of `lora_kernels`."""
 
     lora_kernels: tuple[str, ...] = ("segmented", "bgmv")
 

@@ -143,7 +143,8 @@ class Speculator:
             # verifies (proposed by the grammar, not looked up).
             num_forced = max(len(forced) - 1, 0)
             k = min(self.k, left - 1 - len(forced)) if self._looks_up(req) else 0
-            looked = self.drafter.propose(req.token_ids + forced, k) if k > 0 else []
+            context = req.token_ids + forced if forced else req.token_ids  # no copy if none
+            looked = self.drafter.propose(context, k) if k > 0 else []
             if grammar is not None and looked:
                 allowed = grammar.valid_prefix(req, forced + looked)
                 looked = looked[: max(allowed - len(forced), 0)]
