@@ -60,6 +60,7 @@ class Workers:
         for p in self.procs:
             p.start()
         self._closing = False
+        self._reaping = threading.Lock()
         self.tp = TPGroup.join(0, size, port, device)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
@@ -76,7 +77,13 @@ class Workers:
                                      f"{', '.join(diff)}")
 
     def dead(self) -> str | None:
-        """Why the group cannot run (a worker exited), else None."""
+        """Why the group cannot run (a worker exited), else None. A worker whose sentinel is
+        ready is reaped first: the kernel closes a dying process's pipes and sockets before
+        it makes the exit reapable, so `exitcode` alone can still read None then."""
+        with self._reaping:
+            for p in self.procs:
+                if p.exitcode is None and wait([p.sentinel], timeout=0):
+                    p.join(1.0)
         for rank, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
                 return (f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
