@@ -67,9 +67,10 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0  # chars of `text` already handed out
 
-    def add(self, token_id: int) -> str | None:
+    def add(self, token_id: int, stops: bool = True) -> str | None:
         """Append a token; return the matched stop string if the text now contains one (the
-        text is then cut before it)."""
+        text is then cut before it). `stops=False` (the request's `min_tokens` not passed yet):
+        stop strings are not looked for in this token's text."""
         self.ids.append(token_id)
         full = self.decoder.decode(self.ids[self.prefix_offset :])  # usually 2+ tokens: uncached
         if len(full) <= len(self.prefix) or full.endswith("\ufffd"):
@@ -78,7 +79,7 @@ class IncrementalDetokenizer:
         self.text += full[len(self.prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.prefix = self.decoder(self.ids[self.prefix_offset :])
-        return self._find_stop(before) if self.stop else None
+        return self._find_stop(before) if self.stop and stops else None
 
     def _find_stop(self, before: int) -> str | None:
         best: tuple[int, str] | None = None

@@ -433,7 +433,8 @@ class LLMEngine:
             token in p.stop_token_ids
             or (not p.ignore_eos and token in self.eos_token_ids)
             or GrammarStage.terminated(req)
-            or req.output_state.add(token) is not None
+            # As vLLM: a stop string ends the output only once more than min_tokens are out.
+            or req.output_state.add(token, req.num_output_tokens > p.min_tokens) is not None
         ):
             req.error = GrammarStage.check(req, req.output_state.text)
             return "error" if req.error else "stop"

@@ -118,8 +118,9 @@ class ReasoningDetokenizer:
             self.answer = IncrementalDetokenizer(decoder, prompt_ids, stop)
         self._started = {"thoughts": False, "answer": False}
 
-    def add(self, token_id: int) -> str | None:
-        """Append a token; the matched stop string, if the answer now contains one."""
+    def add(self, token_id: int, stops: bool = True) -> str | None:
+        """Append a token; the matched stop string, if the answer now contains one (looked
+        for only with `stops`)."""
         r = self.reasoning
         if r.advance(token_id):
             if token_id not in (r.fmt.start_id, r.fmt.end_id):
@@ -128,7 +129,7 @@ class ReasoningDetokenizer:
                 self.answer = IncrementalDetokenizer(self.decoder, self.thoughts.ids, self.stop)
             return None
         assert self.answer is not None, "an answer follows the reasoning's end"
-        return self.answer.add(token_id)
+        return self.answer.add(token_id, stops)
 
     @property
     def text(self) -> str:

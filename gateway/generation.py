@@ -115,6 +115,12 @@ class Generation:
             self._update(choice, out)
             yield choice, out
 
+    @property
+    def pending(self) -> bool:
+        """Whether outputs are queued already: a stream that has fallen behind the engine (a
+        busy event loop) writes those together with the current one."""
+        return not self.sink.empty()
+
     def close(self) -> None:
         """Abort unfinished choices and release the tenant slot. Idempotent."""
         if self._submitted:

@@ -7,10 +7,10 @@ engine frees the request's pages before its next step.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
+import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -27,23 +27,28 @@ class StreamFormat(Protocol):
 
 
 def event(data: dict[str, object]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {orjson.dumps(data).decode()}\n\n"
 
 
 async def stream_events(
     gen: Generation, fmt: StreamFormat, include_usage: bool
 ) -> AsyncGenerator[str, None]:
     try:
+        events: list[str] = []  # written together while more outputs are queued
         async for choice, out in gen.outputs():
             if choice.finish_reason == "error":
                 msg = f"generation failed: {choice.error or 'engine error'}"
-                yield event(error_body(msg, "server_error", None, "engine_error"))
-                continue
-            for chunk in fmt.chunks(choice, out):
-                yield event(chunk)
+                events.append(event(error_body(msg, "server_error", None, "engine_error")))
+            else:
+                events += [event(chunk) for chunk in fmt.chunks(choice, out)]
+            if events and not (gen.pending or gen.done):  # the last go with the usage
+                yield "".join(events)
+                events = []
         if include_usage:
-            yield event(fmt.usage_chunk())
-        yield DONE
+            events.append(event(fmt.usage_chunk()))
+        if events:
+            yield "".join(events)
+        yield DONE  # alone: a session's stream holds it back until its history is written
     finally:
         gen.close()
 

@@ -17,7 +17,7 @@ PACKAGES=(
   xgrammar apache-tvm-ffi outlines-core llguidance
   jsonschema jsonschema-specifications referencing rpds-py
   gguf redis
-  fastapi starlette opentelemetry-api uvicorn python-multipart pydantic pydantic-core annotated-types
+  fastapi starlette opentelemetry-api uvicorn uvloop httptools orjson python-multipart pydantic pydantic-core annotated-types
   typing-inspection typing-extensions
 )
 

@@ -113,6 +113,25 @@ def test_stop_strings_and_seeded_sampling(smollm2):
     assert b[0].token_ids == a[0].token_ids
 
 
+def test_stop_strings_wait_for_min_tokens(smollm2):
+    """As vLLM: a stop string is looked for only in the text of tokens past `min_tokens`
+    (one that ends there, begun before, counts)."""
+    prompt, n = "The capital of France is", 12
+    greedy = smollm2.generate(prompt, SamplingParams(max_tokens=20, temperature=0,
+                                                     ignore_eos=True))[0]
+    text, stop = greedy.text, greedy.text[3:9]
+    boundary = len(smollm2.tokenizer.decode(greedy.token_ids[:n], skip_special_tokens=True))
+    assert text.index(stop) + len(stop) <= boundary  # its first occurrence is in the min_tokens
+    out = smollm2.generate(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                  stop=[stop], min_tokens=n))[0]
+    later = [i for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) > boundary]
+    if later:
+        assert out.finish_reason == "stop" and out.text == text[: later[0]]
+    else:
+        assert out.finish_reason == "length" and out.token_ids == greedy.token_ids
+    assert out.token_ids[:n] == greedy.token_ids[:n]
+
+
 def test_chat_and_logprobs(smollm2):
     out = smollm2.chat(
         [{"role": "user", "content": "What is 2+2?"}],
