@@ -13,8 +13,8 @@ Only sessions are written (their KV, write-through, when a turn ends), from a pr
 snapshot, on one writer thread, which then deletes the least recently used files (by
 modification time; a read touches its files) while the folder holds more than `max_bytes`.
 Reads run on a reader thread into host pages the caller owns until they are done. Namespaces
-hold an adapter's registration number, so KV under an adapter is not found again after a
-restart (the base model's is).
+hold a hash of an adapter's files (`lora.manager.content_uid`), so KV under an adapter is
+found again after a restart, as the base model's is.
 """
 
 from __future__ import annotations

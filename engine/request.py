@@ -39,7 +39,7 @@ class Request:
     num_cached_pages: int = 0
     cache_node: Any = None
     session_id: str | None = None  # a session's turn: its KV stays pinned after it finishes
-    adapter_uid: int = 0  # which registration of `params.adapter` (set by the engine)
+    adapter_uid: int = 0  # which weights of `params.adapter` (set by the engine; 0: base)
     # Its adapter's device slot, pinned from admission to finish (AdapterManager.can_admit);
     # -1: the base model.
     lora_slot: int = -1
@@ -62,8 +62,8 @@ class Request:
 
     @property
     def namespace(self) -> tuple[str, str | None, int]:
-        """KV is shared only within one (tenant, adapter); an adapter removed and added
-        again under the same name is another adapter."""
+        """KV is shared only within one (tenant, adapter weights): an adapter is named by a
+        hash of its files, so other weights under the same name are another adapter."""
         return (self.tenant, self.params.adapter, self.adapter_uid)
 
     @property

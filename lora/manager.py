@@ -26,7 +26,7 @@ one lock guards all state. Weights are copied host -> device only on the engine 
 from __future__ import annotations
 
 import builtins
-import itertools
+import hashlib
 import logging
 import re
 import shutil
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_UIDS = itertools.count(1)
 
 
 class UnknownAdapter(KeyError):
@@ -70,6 +69,7 @@ class _Entry:
     target_modules: tuple[str, ...]
     num_bytes: int
     stored_bytes: int
+    uid: int  # its files' hash: KV namespaces key on it (`content_uid`)
     pinned: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     removed: bool = False
@@ -77,7 +77,6 @@ class _Entry:
     loading: Future[LoraAdapter] | None = None  # disk -> host read in flight
     slot: int | None = None  # device tier
     active: int = 0  # admitted requests using the slot (pins it)
-    uid: int = field(default_factory=lambda: next(_UIDS))  # a name added again is a new uid
 
 
 class AdapterManager:
@@ -129,6 +128,7 @@ class AdapterManager:
         if self.get(tenant, name) is not None:
             raise AdapterExists(name)
         adapter = self._read(Path(path), name)
+        uid = content_uid(Path(path))  # before the lock: it reads every file
         with self._lock:
             if (tenant, name) in self._registry:
                 raise AdapterExists(name)
@@ -138,7 +138,7 @@ class AdapterManager:
                 shutil.rmtree(folder, ignore_errors=True)  # leftover of a crash, unregistered
                 folder.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(path, folder)
-            entry = _entry(tenant, name, folder, owned, adapter, pin)
+            entry = _entry(tenant, name, folder, owned, adapter, pin, uid)
             self._registry[(tenant, name)] = entry
             self._host_put(entry, adapter)
             return self._info(entry)
@@ -210,8 +210,9 @@ class AdapterManager:
             return True
 
     def uid_of(self, req: Request) -> int:
-        """Which registration of its adapter `req` runs (0: base). KV computed under one
-        must never serve another, even under the same name (the prefix cache keys on it)."""
+        """Which weights of its adapter `req` runs (0: base; `content_uid`). KV computed under
+        one must never serve another, even under the same name (the prefix cache keys on
+        it); the same files, registered again or after a restart, find their KV again."""
         entry = self._attached.get(req)
         return 0 if entry is None else entry.uid
 
@@ -357,7 +358,8 @@ class AdapterManager:
             except Exception as e:  # noqa: BLE001 - written by another version, or damaged
                 log.warning("stored adapter %s is not served: %s", folder, e)
                 continue
-            entry = _entry(tenant, folder.name, folder, True, adapter, False)
+            entry = _entry(tenant, folder.name, folder, True, adapter, False,
+                           content_uid(folder))
             self._registry[(tenant, folder.name)] = entry
             self._host_put(entry, adapter)
 
@@ -368,10 +370,23 @@ class AdapterManager:
 
 
 def _entry(
-    tenant: str, name: str, path: Path, owned: bool, adapter: LoraAdapter, pinned: bool
+    tenant: str, name: str, path: Path, owned: bool, adapter: LoraAdapter, pinned: bool,
+    uid: int,
 ) -> _Entry:
     stored = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return _Entry(
         tenant, name, path, owned, adapter.rank, tuple(sorted(adapter.target_modules)),
-        adapter.num_bytes, stored, pinned,
+        adapter.num_bytes, stored, uid, pinned,
     )
+
+
+def content_uid(folder: Path) -> int:
+    """An adapter's identity in KV namespaces: a hash of its folder's files (names and bytes),
+    never 0 (the base model). KV computed under an adapter is found again after a restart
+    (the disk tier) or when the same files are registered again, and never under other
+    weights of the same name."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.is_file()):
+        with f.open("rb") as fh:
+            h.update(f.name.encode() + b"\0" + hashlib.file_digest(fh, "sha256").digest())
+    return int.from_bytes(h.digest()[:8], "big") or 1

@@ -4,6 +4,8 @@ device, the host or nowhere; tenants never share; no page leaks on either tier."
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -238,6 +240,37 @@ def test_a_restarted_engine_resumes_sessions_from_disk(smollm2_dir, prompts, tmp
     b.release_session("S2")
     b.reset_prefix_cache()
     assert b.prefix_cache.tiers.host_allocator.num_used == 0
+
+
+def test_a_restarted_engine_finds_a_sessions_kv_under_its_adapter(smollm2_dir, hf_smollm2,
+                                                                   prompts, tmp_path):
+    """KV computed under an adapter is keyed by its files: engine B, registering the same
+    adapter folder after a restart, reads the session's pages from disk."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(3)
+    lora = peft.get_peft_model(copy.deepcopy(hf_smollm2), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "bot")
+    kw = dict(model=str(smollm2_dir), max_num_seqs=4, num_pages=DEVICE_PAGES, host_kv_pages=64,
+              kv_disk_dir=tmp_path / "kv")
+    a = LLM(**kw)
+    a.load_adapter("bot", tmp_path / "bot")
+    reply, _ = run(a.engine, prompts[0], adapter="bot", session="S")
+    turn = prompts[0] + reply + a.tokenizer.encode(" And the next row?")
+    a.engine.prefix_cache.tiers.disk.flush()
+    a.engine.release_session("S")
+    a.engine.reset_prefix_cache()
+    cold = run(a.engine, turn, adapter="bot")  # no session: the files are not read
+    assert cold[1] == 0
+    del a
+
+    b = LLM(**kw)
+    b.load_adapter("bot", tmp_path / "bot")
+    tokens, cached = run(b.engine, turn, adapter="bot", session="S2")
+    assert tokens == cold[0]
+    assert cached >= len(prompts[0]) - 16
+    assert b.engine.prefix_cache.stats().disk_hit_tokens >= len(prompts[0]) - 16
+    b.engine.release_session("S2")
 
 
 def test_corrupt_or_foreign_page_files_are_refused(smollm2_dir, prompts, tmp_path):

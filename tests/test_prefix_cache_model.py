@@ -69,8 +69,15 @@ def test_tenants_and_adapters_never_share(engine, prompt, smollm2, hf_smollm2, t
     try:
         assert run(engine, prompt, adapter="a1")[1] == 0  # not the base model's KV
         assert run(engine, prompt, adapter="a1")[1] > 0
-        # The same name registered again is another adapter: its KV starts cold.
+        # The same files registered again are the same adapter: its KV is found again.
         smollm2.unload_adapter("a1")
+        smollm2.load_adapter("a1", tmp_path / "a1")
+        assert run(engine, prompt, adapter="a1")[1] > 0
+        # Other weights under the same name are another adapter: their KV starts cold.
+        smollm2.unload_adapter("a1")
+        with torch.no_grad():
+            next(p for n, p in lora.named_parameters() if "lora_B" in n).add_(0.01)
+        lora.save_pretrained(tmp_path / "a1")
         smollm2.load_adapter("a1", tmp_path / "a1")
         assert run(engine, prompt, adapter="a1")[1] == 0
     finally:
