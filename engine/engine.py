@@ -285,7 +285,8 @@ class LLMEngine:
         prefill overlaps too). None when the regular schedule must decide."""
         assert prev.drawn is not None, "an overlapped step's draw is queued at launch"
         reqs = [r for r in prev.drawn.reqs if not r.finished and self._tokens_left(r) > 1]
-        if self.speculator is not None and self.speculator.wants(len(reqs)):
+        spec = self.speculator
+        if spec is not None and spec.wants(len(reqs)) and any(map(spec.may_draft, reqs)):
             return None  # the regular schedule attaches drafts
         return self.scheduler.schedule_ahead(reqs)
 

@@ -113,7 +113,7 @@ class Speculator:
 
     def wants(self, num_decodes: int) -> bool:
         """Would a step of this many decodes speculate? (The overlapped loop then hands back
-        to the regular schedule, which attaches drafts.)"""
+        to the regular schedule, which attaches drafts, if one of them `may_draft`.)"""
         return num_decodes <= self.max_batch
 
     def attach(
@@ -184,6 +184,13 @@ class Speculator:
         if not p.speculative or p.needs_penalties:
             return False
         return req.reasoning is None  # a reasoning budget counts tokens one by one
+
+    def may_draft(self, req: Request) -> bool:
+        """Whether `req`'s next decode could get a draft: it drafts, and has a grammar to
+        force tokens or still looks drafts up. Without one such request in a batch, the
+        overlapped loop goes on (its steps would not speculate)."""
+        forced = req.matcher is not None and req.params.logprobs is None
+        return self.drafts(req) and (forced or self._looks_up(req))
 
     def _looks_up(self, req: Request) -> bool:
         drafted, accepted = self._record.get(req.request_id, (0, 0))

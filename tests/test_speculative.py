@@ -112,6 +112,23 @@ def test_opted_out_and_penalized_requests_do_not_draft(smollm2):
         assert spec.stats.drafted == 0 and spec.stats.forced == 0, params
 
 
+def test_requests_that_cannot_draft_keep_the_overlapped_loop(smollm2):
+    """Only a batch with a request that may draft leaves the overlapped loop for the regular
+    schedule, which attaches drafts; opted-out requests keep overlapping."""
+    from tests.test_overlap import overlapped
+
+    prompt = _copy_prompts(smollm2)[0]
+    params = [SamplingParams(max_tokens=12, temperature=0, speculative=False)] * 2
+    want = smollm2.generate([prompt, prompt], params)
+    with speculating(smollm2) as spec, overlapped(smollm2) as ahead:
+        got = smollm2.generate([prompt, prompt], params)
+    assert sum(ahead) >= 8 and spec.stats.forwards == 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    with speculating(smollm2) as spec, overlapped(smollm2) as ahead:
+        smollm2.generate([prompt], [SamplingParams(max_tokens=12, temperature=0)])
+    assert not any(ahead) and spec.stats.forwards > 0
+
+
 RECORD = {"service": "billing", "status": 503, "region": "eu-west-1", "retry": True}
 RECORD_SCHEMA = {
     "type": "object",
