@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import wait
@@ -22,6 +23,7 @@ from engine.config import EngineConfig, ModelConfig, ModelLoadError, ResolvedCon
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.parallel import (
+    COLLECTIVE_TIMEOUT,
     STOP,
     Forward,
     LoadSlot,
@@ -52,17 +54,35 @@ class Workers:
                                  f"{torch.cuda.device_count()} are visible")
         port = _free_port()
         ctx = mp.get_context("spawn")
+        joining = [ctx.Event() for _ in range(1, size)]
         self.procs = [
-            ctx.Process(target=_worker_main, args=(rank, size, port, cfg, model_dir),
+            ctx.Process(target=_worker_main, args=(rank, size, port, cfg, model_dir,
+                                                   joining[rank - 1]),
                         name=f"switchboard-tp{rank}", daemon=True)
             for rank in range(1, size)
         ]
-        for p in self.procs:
-            p.start()
         self._closing = False
         self._reaping = threading.Lock()
+        for p in self.procs:
+            p.start()
+        self._await_joining(joining)
         self.tp = TPGroup.join(0, size, port, device)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+
+    def _await_joining(self, joining: list[Any]) -> None:
+        """Wait until every worker is about to join the group (its `joining` event set). One
+        that exits first (its imports or its device failed) fails the start now, not after
+        the group's rendezvous timeout."""
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while not all(e.is_set() for e in joining):
+            wait([p.sentinel for p in self.procs], timeout=0.05)
+            why = self.dead() or ("a tensor-parallel worker did not start in time"
+                                  if time.monotonic() > deadline else None)
+            if why is not None:
+                for p in self.procs:
+                    p.kill()
+                    p.join()
+                raise ModelLoadError(f"{why} before joining the group")
 
     def agree(self, cfg: ResolvedConfig, eos_token_ids: list[int], mine: dict[str, Any]) -> None:
         """Send the settled config; check every worker loaded the same model (`mine`: rank 0's
@@ -142,14 +162,17 @@ def _free_port() -> int:
 # -- a worker ---------------------------------------------------------------------------------
 
 
-def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: Path) -> None:
+def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: Path,
+                 joining: Any) -> None:
     """Rank `rank`: load this rank's shard, build the same model runner as rank 0, then run
-    rank 0's messages until it says stop (or goes away)."""
+    rank 0's messages until it says stop (or goes away). `joining` is set just before it
+    joins the group."""
     device = torch.device(cfg.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // size))
+    joining.set()
     tp = TPGroup.join(rank, size, port, device)
     try:
         dtype = getattr(torch, cfg.dtype)

@@ -202,6 +202,33 @@ def test_a_dead_rank_fails_the_step_at_once(tmp_path):
         llm.close()
 
 
+def test_a_rank_dead_before_joining_fails_the_start_at_once(tmp_path):
+    """A worker that exits before it joins the group (here killed while it imports) fails the
+    engine's start with the reason at once, not after the rendezvous timeout."""
+    import multiprocessing
+    import threading
+
+    killed: list[int] = []
+
+    def kill_first_worker() -> None:
+        deadline = time.monotonic() + 30
+        while not killed and time.monotonic() < deadline:
+            for p in multiprocessing.active_children():
+                if p.name == "switchboard-tp1" and p.pid:
+                    os.kill(p.pid, signal.SIGKILL)
+                    killed.append(p.pid)
+            time.sleep(0.001)
+
+    killer = threading.Thread(target=kill_first_worker)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"rank 1 \(pid \d+\) exited with code -9 before"):
+        LLM(model="synthetic:tiny", cache_dir=tmp_path, tensor_parallel_size=2, num_pages=64,
+            max_loras=0)
+    killer.join()
+    assert killed and time.monotonic() - start < 20
+
+
 def test_server_goes_not_ready_when_a_rank_dies(tmp_path):
     """Through the engine thread: an idle engine's readiness drops, and a request then fails
     with the reason instead of waiting."""
