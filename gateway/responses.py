@@ -132,7 +132,7 @@ class ChatFormat:
     def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, object]:
         def entry(token_id: int, logprob: float) -> dict[str, object]:
             text = self.tok.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
         return {"content": [
             {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
@@ -146,6 +146,15 @@ def _with_reasoning(message: dict[str, object], c: Choice) -> dict[str, object]:
     if c.num_reasoning_tokens:
         message["reasoning_content"] = c.reasoning
     return message
+
+
+MIN_LOGPROB = -9999.0  # what a token the step banned (a grammar's mask, min_tokens) reports
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: a banned token's logprob is reported as MIN_LOGPROB (vLLM's
+    floor too)."""
+    return max(logprob, MIN_LOGPROB)
 
 
 def _tool_spec(c: Choice) -> ConstraintSpec | None:
@@ -212,7 +221,8 @@ class CompletionFormat:
         self._offsets[c.index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.tok.token_text(t): v for t, v in lp.top} for lp in lps],
+            "token_logprobs": [_finite(lp.logprob) for lp in lps],
+            "top_logprobs": [{self.tok.token_text(t): _finite(v) for t, v in lp.top}
+                             for lp in lps],
             "text_offset": offsets,
         }

@@ -81,3 +81,45 @@ def test_bad_specs_are_400(client: OpenAI, gateway_server: GatewayServer, fmt, n
     # The server is fine afterwards.
     ok = client.chat.completions.create(model=gateway_server.model, messages=ASK, max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+def _strict(text: str) -> object:
+    """json.loads that refuses NaN and Infinity (JSON has neither)."""
+
+    def refuse(constant: str) -> object:
+        raise ValueError(f"{constant} in a response body")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_masked_tokens_are_finite(gateway_server: GatewayServer) -> None:
+    """Top logprobs under a constraint include tokens its mask banned (-inf): they are reported
+    as -9999.0, as vLLM does, so bodies and stream events stay JSON (a 500 before)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {gateway_server.api_key}"}
+    only = {"structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 3, "temperature": 0,
+            "model": gateway_server.model}
+    bodies = {
+        "/completions": {**only, "prompt": "Is the sky blue? Answer:", "logprobs": 5},
+        "/chat/completions": {**only, "messages": [{"role": "user", "content": "Sky blue?"}],
+                              "logprobs": True, "top_logprobs": 5},
+    }
+    for path, body in bodies.items():
+        r = httpx.post(gateway_server.base_url + path, json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        tops = _top_logprobs(_strict(r.text)["choices"][0]["logprobs"])  # type: ignore[index]
+        assert -9999.0 in tops and all(-9999.0 <= v <= 0 for v in tops)
+        with httpx.stream("POST", gateway_server.base_url + path, json={**body, "stream": True},
+                          headers=headers, timeout=120) as s:
+            events = [_strict(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: {")]
+        streamed = [v for e in events for c in e["choices"] if c.get("logprobs")  # type: ignore[index]
+                    for v in _top_logprobs(c["logprobs"])]
+        assert sorted(streamed) == pytest.approx(sorted(tops), abs=1e-3)
+
+
+def _top_logprobs(lps: dict) -> list[float]:
+    if "tokens" in lps:  # a completion's
+        return [v for d in lps["top_logprobs"] for v in d.values()]
+    return [t["logprob"] for e in lps["content"] for t in e["top_logprobs"]]
