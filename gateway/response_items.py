@@ -16,6 +16,7 @@ sampling follow exactly the chat-completions rules.
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -97,13 +98,20 @@ def check_metadata(v: dict[str, str] | None) -> None:
 # -- items -> messages ------------------------------------------------------------------
 
 
-def input_messages(value: str | list[Item], param: str = "input") -> list[Message]:
+def input_messages(
+    value: str | list[Item], param: str = "input", origins: list[int] | None = None
+) -> list[Message]:
     """The items as chat messages, each with its item ids (new ones where the client gave
-    none). A 400 naming the item for a type or content part that is not supported."""
+    none). A 400 naming the item for a type or content part that is not supported. With
+    `origins`, the index of the item each message came from is appended to it."""
     if isinstance(value, str):
+        if origins is not None:
+            origins.append(0)
         return [{"role": "user", "content": value, "id": new_id("msg")}]
     out: list[Message] = []
     for i, item in enumerate(value):
+        if origins is not None:  # the messages the item before made
+            origins += [i - 1] * (len(out) - len(origins))
         p = f"{param}[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
         item_id = item.get("id")
@@ -135,6 +143,8 @@ def input_messages(value: str | list[Item], param: str = "input") -> list[Messag
             raise bad_request(f"Input items of type {kind!r} are not supported; use 'message', "
                               "'function_call' or 'function_call_output'.", f"{p}.type",
                               code="unsupported_item_type")
+    if origins is not None:
+        origins += [len(value) - 1] * (len(out) - len(origins))
     return out
 
 
@@ -317,10 +327,21 @@ def _response_format(fmt: dict[str, object]) -> dict[str, object] | None:
                       "'json_object' or 'json_schema'.", "text.format.type")
 
 
-def response_param(param: str | None) -> str | None:
-    """A chat-completions parameter name as the Responses request spells it."""
+def response_param(param: str | None, history: int = 0,
+                   origins: list[int] | None = None) -> str | None:
+    """A chat-completions parameter name as the Responses request spells it. With `origins`
+    (`input_messages`'), `messages[i]` is the input item message i - `history` came from (the
+    chain's `history` messages come first) and a tool message's `tool_call_id` its
+    `call_id`."""
     if param is None:
         return None
+    m = re.match(r"messages\[(\d+)\](.*)", param)
+    if m is not None and origins is not None:
+        i = int(m.group(1)) - history
+        if not 0 <= i < len(origins):
+            return "input"
+        rest = m.group(2)
+        return f"input[{origins[i]}]" + (".call_id" if rest == ".tool_call_id" else rest)
     for chat, responses in (("response_format.json_schema", "text.format"),
                             ("response_format", "text.format"), ("messages", "input"),
                             ("max_completion_tokens", "max_output_tokens")):

@@ -143,11 +143,12 @@ def _plan(body: ResponsesRequest, chain: Chain, tok: GatewayTokenizer, facts: En
           adapter: str | None) -> tuple[list[Message], Plan]:
     """(this turn's input as messages, its plan); in a worker thread. Errors name the
     Responses parameters (`input`, `text.format`, `tools[i].parameters`)."""
-    new = input_messages(body.input)
+    origins: list[int] = []
+    new = input_messages(body.input, origins=origins)
     try:
         return new, plan_chat(to_chat(body, [*chain.history, *new]), tok, facts, adapter)
     except APIError as e:
-        e.param = response_param(e.param)
+        e.param = response_param(e.param, len(chain.history), origins)
         raise
 
 

@@ -293,7 +293,11 @@ def test_another_tenants_responses_and_conversations_are_404(server: Server,
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,
      "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400,
-     "input[0].tool_call_id"),
+     "input[0].call_id"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []},
+                {"role": "user", "content": "hi"},
+                {"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400,
+     "input[2].call_id"),
     ({"input": 5}, 400, "input"),
     ({"input": "x", "temperature": "hot"}, 400, "temperature"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
@@ -316,6 +320,19 @@ def test_bad_input_is_a_4xx_naming_the_parameter(server: Server, body: dict, sta
     err = _error(server.http("POST", "/v1/responses", json={"model": MODEL, **body}), status)
     assert err["param"] == param, err
     assert err["type"] == "invalid_request_error"
+
+
+def test_a_bad_item_after_a_chain_is_named_by_its_input_index(server: Server,
+                                                             client: OpenAI) -> None:
+    """The chain's stored messages come before this turn's: an error still names the item of
+    this request's `input`."""
+    first = client.responses.create(model=MODEL, input="Hello there.", max_output_tokens=4,
+                                    **T0)
+    body = {"model": MODEL, "previous_response_id": first.id,
+            "input": [{"role": "user", "content": "And?"},
+                      {"type": "function_call_output", "call_id": "call_x", "output": "1"}]}
+    err = _error(server.http("POST", "/v1/responses", json=body), 400)
+    assert err["param"] == "input[1].call_id", err
 
 
 # -- the OpenAI Agents SDK --------------------------------------------------------------
