@@ -16,7 +16,6 @@ workload of other tokens first.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import re
 import statistics
@@ -92,10 +91,10 @@ def one_round(root: Path, flags: list[str], clients: int, requests: int,
     try:
         vocab = 49152
         warm, warm_out = mixed_workload(requests, vocab, 0.25, seed=8)
-        asyncio.run(http_workload(url, warm, warm_out, clients))
+        http_workload(url, warm, warm_out, clients)
         prompts, outputs = mixed_workload(requests, vocab, 0.25)
         before = thread_cpu(proc.pid)
-        res = asyncio.run(http_workload(url, prompts, outputs, clients))
+        res = http_workload(url, prompts, outputs, clients)
         after = thread_cpu(proc.pid)
     finally:
         proc.terminate()

@@ -11,8 +11,9 @@ Sections (each records its figures, or its error, as one JSON line in --out):
   prefill          64 x 2,048-token prompts: prompt tokens/s x model FLOPs ÷ the matmul rate
                    (`prefill_mfu`);
   http             the greedy mixed workload through `switchboard serve` with 128 concurrent
-                   streaming clients on /v1/completions ÷ the offline engine on the same
-                   workload (`http_vs_offline_c128`), TTFT p50/p99;
+                   streaming clients on /v1/completions (from 4 client processes) ÷ the
+                   offline engine on the same workload (`http_vs_offline_c128`), best of two
+                   rounds each, TTFT p50/p99;
   agent_trace      32 concurrent multi-turn sessions through HTTP: each turn appends a tool
                    result and asks again (contexts grow toward 8k tokens), sampled, tool calls
                    and JSON schemas on some turns, 8 adapters.
@@ -54,6 +55,7 @@ from engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = 16
+CLIENT_PROCESSES = 4  # the HTTP section's load generator (see there)
 TOOLS = [{"type": "function", "function": {"name": "search_logs", "parameters": {
     "type": "object", "properties": {"service": {"type": "string", "maxLength": 16},
                                      "minutes": {"type": "integer"}},
@@ -158,14 +160,15 @@ def main() -> None:
 
     offline: dict[str, float] = {}
     with rec.section("sampled", 120) as s:
-        # Two rounds each, alternating; the first round also warms up (graphs, kernels).
+        # Three rounds each, alternating; the first warms up (graphs, kernels), the best of
+        # the other two counts (a round's rate varies by a few percent on the same machine).
         runs: dict[str, list[float]] = {"greedy": [], "sampled": []}
-        for _ in range(2):
+        for _ in range(3):
             runs["greedy"].append(offline_tok_s(llm, prompts, outputs,
                                                 lambda i, m: greedy(m), dev))
             runs["sampled"].append(offline_tok_s(llm, prompts, outputs, sampled, dev))
-        g = offline["greedy"] = runs["greedy"][-1]
-        x = runs["sampled"][-1]
+        g = offline["greedy"] = max(runs["greedy"][1:])
+        x = max(runs["sampled"][1:])
         s.result.update(greedy_tok_s=round(g), sampled_tok_s=round(x),
                         sampled_vs_greedy_e2e=round(x / g, 3),
                         first_round_tok_s={k: round(v[0]) for k, v in runs.items()})
@@ -220,12 +223,18 @@ def main() -> None:
         with rec.section("http", 120) as s:
             # Warm-up, untimed: a workload of the same shapes from other random tokens (not the
             # measured prompts' prefixes), so the Triton kernels the run specializes are
-            # compiled first, as the offline figure's first round compiles them for it.
+            # compiled first, as the offline figure's first round compiles them for it. Then the
+            # best of two rounds, as offline. The clients run in CLIENT_PROCESSES processes: one
+            # Python process parsing ~5k SSE events a second spends 0.6-0.7 of a core on it and
+            # adds its own delay to every TTFT (H100 host: TTFT p50 0.44 s from one process,
+            # 0.15 s from four, same server).
             warm, warm_outputs = mixed_workload(n_requests, vocab, scale, seed=8)
-            s.result["warm_tok_s"] = asyncio.run(
-                http_workload(srv.url, warm, warm_outputs, 128))["tok_s"]
-            res = asyncio.run(http_workload(srv.url, prompts, outputs, 128))
-            s.result.update(res)
+            s.result["warm_tok_s"] = http_workload(srv.url, warm, warm_outputs, 128,
+                                                   CLIENT_PROCESSES)["tok_s"]
+            rounds = [http_workload(srv.url, prompts, outputs, 128, CLIENT_PROCESSES)
+                      for _ in range(2)]
+            res = max(rounds, key=lambda r: r["tok_s"])
+            s.result.update(res, rounds_tok_s=[r["tok_s"] for r in rounds])
             if "greedy" in offline:
                 s.result["http_vs_offline_c128"] = round(res["tok_s"] / offline["greedy"], 3)
         with rec.section("agent_trace", 120) as s:
@@ -307,8 +316,9 @@ def pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else float("nan")
 
 
-async def http_workload(url: str, prompts, outputs, concurrency: int) -> dict:
-    """Every request of the workload through /v1/completions, `concurrency` at a time."""
+async def http_client(url: str, prompts, outputs, concurrency: int) -> dict:
+    """One client process's share: its requests through /v1/completions, `concurrency` at a
+    time. Returns each request's record, the wall span and this process's CPU seconds."""
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8)
@@ -318,13 +328,41 @@ async def http_workload(url: str, prompts, outputs, concurrency: int) -> dict:
                 return await stream(client, "/v1/completions", {
                     "model": model, "prompt": p, "max_tokens": m, "temperature": 0,
                     "ignore_eos": True})
-        t = time.perf_counter()
+        cpu, start = time.process_time(), time.time()
         res = await asyncio.gather(*(one(p, m) for p, m in zip(prompts, outputs, strict=True)))
-        wall = time.perf_counter() - t
+        end = time.time()
+    return {"records": res, "start": start, "end": end, "cpu_s": time.process_time() - cpu}
+
+
+def _client_process(url: str, prompts, outputs, concurrency: int) -> dict:
+    return asyncio.run(http_client(url, prompts, outputs, concurrency))
+
+
+def http_workload(url: str, prompts, outputs, concurrency: int, processes: int = 1) -> dict:
+    """Every request of the workload through /v1/completions, `concurrency` at a time, from
+    `processes` client processes (request i goes to process i mod processes, each with its
+    share of the concurrency). A Python client parses every SSE event; at a few thousand
+    events a second one process can fall behind the server, and then the figure measures the
+    client. `client_cpu` is each process's CPU time ÷ the wall time: near 1.0, add processes."""
+    if processes == 1:
+        parts = [_client_process(url, prompts, outputs, concurrency)]
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
+            list(pool.map(time.sleep, [0.0] * processes))  # the processes start before timing
+            ks = range(processes)
+            parts = list(pool.map(_client_process, [url] * processes,
+                                  [prompts[k::processes] for k in ks],
+                                  [outputs[k::processes] for k in ks],
+                                  [concurrency // processes] * processes))
+    res = [r for part in parts for r in part["records"]]
+    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     ok = [r for r in res if not r.get("error")]
     return {"tok_s": round(sum(r["tokens"] for r in ok) / wall), "requests": len(res),
             "errors": len(res) - len(ok), "ttft_p50_s": pct([r["ttft"] for r in ok], 0.5),
-            "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99)}
+            "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99), "client_processes": processes,
+            "client_cpu": [round(p["cpu_s"] / (p["end"] - p["start"]), 2) for p in parts]}
 
 
 def tool_result(rng: random.Random, lines: int) -> str:
