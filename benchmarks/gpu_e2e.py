@@ -234,18 +234,23 @@ def main() -> None:
             s.result["warm_tok_s"] = http_workload(srv.url, warm, warm_outputs, 128,
                                                    CLIENT_PROCESSES)["tok_s"]
             fresh = random_prompts(n_requests, [len(p) for p in prompts], seed=9, vocab=vocab)
-            rounds = [http_workload(srv.url, ps, outputs, 128, CLIENT_PROCESSES)
-                      for ps in (prompts, fresh)]
+            rounds = []
+            for ps in (prompts, fresh):
+                before = srv.metrics()
+                rounds.append(http_workload(srv.url, ps, outputs, 128, CLIENT_PROCESSES))
+                rounds[-1]["server"] = queueing(before, srv.metrics())
             res = max(rounds, key=lambda r: r["tok_s"])
-            s.result.update(res, rounds=[{k: r[k] for k in ("tok_s", "ttft_p50_s", "ttft_p99_s")}
-                                          for r in rounds])
+            s.result.update(res, rounds=[{k: r[k] for k in ("tok_s", "ttft_p50_s", "ttft_p99_s",
+                                                            "server")} for r in rounds])
             if "greedy" in offline:
                 s.result["http_vs_offline_c128"] = round(res["tok_s"] / offline["greedy"], 3)
         with rec.section("agent_trace", 120) as s:
             names = [srv.upload(f"tenant-bot-{k}", f) for k, f in enumerate(adapters)]
             turns, max_ctx = (3, 1024) if quick else (64, 8192)
+            before = srv.metrics()
             s.result.update(asyncio.run(agent_trace(srv.url, names, 8 if quick else 32, turns,
                                                     max_ctx, s.left)))
+            s.result["server"] = queueing(before, srv.metrics())
 
 
 class Server:
@@ -277,6 +282,13 @@ class Server:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {series (name with labels): value} (the suite's server runs without
+        API keys, so the route is open)."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
+                                          if line and not line.startswith("#"))}
 
     def upload(self, name: str, folder: Path) -> str:
         files = [("files", (p.name, p.read_bytes())) for p in sorted(folder.iterdir())]
@@ -313,6 +325,27 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict) -> dict:
     n = (usage or {}).get("completion_tokens", 0)
     return {"ttft": (first or done) - t, "tpot": ((last or done) - (first or done)) / max(n - 1, 1),
             "tokens": n, "usage": usage or {}, "text": text, "error": error}
+
+
+def queueing(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the server's /metrics say about the requests between two readings, to tell what
+    their TTFT waited for: their grammars (constrained requests, before they are queued), the
+    engine's queue (for a seat, pages, an adapter), each as the mean and the share over 1 s;
+    how many sequences were preempted; the prompt tokens the prefix cache served."""
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    def waits(name: str) -> dict:
+        h = f"switchboard_{name}_seconds"
+        n = delta(h + "_count")
+        over = n - delta(h + '_bucket{le="1.0"}')
+        return {"count": int(n), "mean_s": round(delta(h + "_sum") / max(n, 1), 4),
+                "over_1s": round(over / max(n, 1), 3)}
+
+    hit, miss = (delta(f"switchboard_prefix_cache_{k}_tokens_total") for k in ("hit", "miss"))
+    return {"grammar_wait": waits("grammar_wait"), "queue_time": waits("request_queue_time"),
+            "preemptions": int(delta("switchboard_preemptions_total")),
+            "prefix_hit_tokens": round(hit / max(hit + miss, 1), 3)}
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -492,4 +492,5 @@ class LLMEngine:
             error=req.error,
             new_reasoning_text=req.output_state.take_reasoning(req.finished) if r else "",
             num_reasoning_tokens=r.num_tokens if r else 0,
+            queue_time=None if req.scheduled_at is None else req.scheduled_at - req.added_at,
         )

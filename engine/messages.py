@@ -51,3 +51,6 @@ class RequestOutput:
     # and the output tokens its reasoning took so far, markers included.
     new_reasoning_text: str = ""
     num_reasoning_tokens: int = 0
+    # Seconds from its arrival at the engine to its first step (waiting for a seat, pages, a
+    # grammar compile or an adapter load); None until it was scheduled.
+    queue_time: float | None = None

@@ -85,6 +85,7 @@ class EngineStats:
     kv_pages_used: int = 0  # held by requests or pinned by sessions (not evictable cache)
     kv_pages_total: int = 0
     jump_forward_tokens: int = 0
+    num_preemptions: int = 0  # requests whose KV was dropped to make room (recomputed)
     prefix: PrefixCacheStats = PrefixCacheStats()
     # Speculative decoding (engine/speculative.py): draft tokens verified and accepted,
     # sequence-steps that carried drafts, and the tokens those produced.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,8 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
     arrival: int = field(default_factory=lambda: next(_arrival))
+    added_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # when it first entered the running batch
     num_preemptions: int = 0
     # Per-request state owned by the output stage (detokenizer, logprobs); opaque here.
     output_state: Any = None

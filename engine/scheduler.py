@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -193,6 +194,8 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             req.status = Status.RUNNING
+            if req.scheduled_at is None:
+                req.scheduled_at = time.monotonic()
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
             budget -= n

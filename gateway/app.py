@@ -184,7 +184,7 @@ def _num_sequences(body: ChatCompletionRequest | CompletionRequest) -> int:
 
 async def _compile(rt: Runtime, constraint: ConstraintSpec) -> None:
     try:
-        await rt.engine.compile_grammar(constraint)
+        await rt.compile_grammar(constraint)
     except GrammarError as e:
         raise bad_request(e.message, e.param or "response_format") from None
 

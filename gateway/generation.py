@@ -166,6 +166,8 @@ class Generation:
             if choice.first_token_at is None:
                 choice.first_token_at = now
                 self.metrics.ttft.observe(now - self.arrival)
+                if out.queue_time is not None:
+                    self.metrics.queue_time.observe(out.queue_time)
             choice.last_token_at = now
             choice.token_ids.extend(out.new_token_ids)
             self.metrics.generation_tokens.labels(self.tenant).inc(len(out.new_token_ids))

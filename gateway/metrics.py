@@ -53,6 +53,16 @@ class Metrics:
             "switchboard_time_to_first_token_seconds", "Time from arrival to the first token",
             buckets=TTFT_BUCKETS, registry=r,
         )
+        self.queue_time = Histogram(
+            "switchboard_request_queue_time_seconds",
+            "Time a sequence waited in the engine before its first step (for a seat, KV pages, "
+            "its grammar's compile or its adapter's load)", buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.grammar_wait = Histogram(
+            "switchboard_grammar_wait_seconds",
+            "Time a constrained request waited for its grammar before it was queued (a cached "
+            "grammar: none)", buckets=TTFT_BUCKETS, registry=r,
+        )
         self.tpot = Histogram(
             "switchboard_time_per_output_token_seconds", "Mean time between output tokens",
             buckets=TPOT_BUCKETS, registry=r,
@@ -86,8 +96,8 @@ class Metrics:
 
 
 class _PrefixCacheCollector:
-    """The engine's prefix-cache and speculative-decoding totals as Prometheus counters and
-    gauges."""
+    """The engine's prefix-cache, preemption and speculative-decoding totals as Prometheus
+    counters and gauges."""
 
     def __init__(self, stats: Callable[[], EngineStats]):
         self.stats = stats
@@ -102,6 +112,8 @@ class _PrefixCacheCollector:
              p.miss_tokens),
             ("switchboard_prefix_cache_evicted_pages", "KV pages evicted from the prefix cache",
              p.evicted_pages),
+            ("switchboard_preemptions", "Requests preempted: their KV dropped to make room, "
+             "recomputed when they resume", stats.num_preemptions),
             ("switchboard_spec_draft_tokens", "Speculative draft tokens verified",
              stats.spec_drafted),
             ("switchboard_spec_accepted_tokens", "Speculative draft tokens accepted",

@@ -68,7 +68,7 @@ def response_routes(rt: Runtime, stores: Stores, authenticate: Callable[..., str
                 new, plan = await asyncio.to_thread(_plan, body, chain, tok, facts, adapter)
                 if plan.constraint is not None:
                     try:
-                        await rt.engine.compile_grammar(plan.constraint)
+                        await rt.compile_grammar(plan.constraint)
                     except GrammarError as e:
                         raise bad_request(e.message,
                                           response_param(e.param or "text.format")) from None

@@ -20,6 +20,7 @@ from gateway.params import EngineFacts
 from gateway.session_store import MemoryStore, SessionStore
 from gateway.shared_adapters import SharedAdapters
 from gateway.tokenizer import GatewayTokenizer
+from grammar.spec import ConstraintSpec
 
 if TYPE_CHECKING:
     from gateway.cluster import Cluster
@@ -146,6 +147,15 @@ class Runtime:
         if not self.ready or self.tokenizer is None or self.facts is None:
             raise not_ready()
         return self.tokenizer, self.facts
+
+    async def compile_grammar(self, spec: ConstraintSpec) -> None:
+        """The engine's `compile_grammar` (a cached spec returns at once), timed into the
+        grammar-wait histogram: a request's first token waits for its grammar."""
+        t = time.monotonic()
+        try:
+            await self.engine.compile_grammar(spec)
+        finally:
+            self.metrics.grammar_wait.observe(time.monotonic() - t)
 
     def queue_depth(self) -> int:
         """Sequences submitted and not yet in the running batch."""

@@ -6,6 +6,7 @@ batch gives exactly the tokens it gives alone."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,29 @@ def test_kv_exhaustion_preempts_recomputes_and_finishes_everything(tiny_dir: Pat
     assert small.engine.scheduler.num_preemptions >= 3
     small.engine.reset_prefix_cache()
     assert small.engine.allocator.num_used == 0
+
+
+def test_outputs_report_the_time_spent_queued(tiny_dir: Path) -> None:
+    """One seat: the second request waits in the queue until the first finishes, and its
+    outputs say so (`queue_time`, what /metrics' queue-time histogram observes)."""
+    llm = LLM(model=str(tiny_dir), num_pages=64, page_size=16, max_num_seqs=1)
+    eng = llm.engine
+    prompts = _long_prompts(2, 20)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"q{i}", p, SamplingParams(max_tokens=6, **GREEDY))
+    added = time.monotonic()
+    queued: dict[str, float | None] = {}
+    first_done = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            queued.setdefault(out.request_id, out.queue_time)
+            if out.request_id == "q0" and out.finished:
+                first_done = time.monotonic()
+    assert first_done is not None and queued.keys() == {"q0", "q1"}
+    q0, q1 = queued["q0"], queued["q1"]
+    assert q0 is not None and q1 is not None and 0 <= q0 < q1
+    # q1 was scheduled by a step that started after q0's last output was returned.
+    assert q1 >= first_done - added
 
 
 def test_pinned_sessions_never_starve_a_request(tiny_dir: Path) -> None:

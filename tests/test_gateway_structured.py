@@ -31,6 +31,7 @@ def client(gateway_server: GatewayServer) -> OpenAI:
 
 def test_json_schema_response_validates(client: OpenAI, gateway_server: GatewayServer) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    waits = gateway_server.metrics().get("switchboard_grammar_wait_seconds_count", 0)
     r = client.chat.completions.create(
         model=gateway_server.model, messages=ASK, response_format=fmt, max_tokens=60, seed=7
     )
@@ -44,6 +45,8 @@ def test_json_schema_response_validates(client: OpenAI, gateway_server: GatewayS
     plain = client.chat.completions.create(temperature=0, **kw).choices[0].message.content
     parts = client.chat.completions.create(temperature=0, stream=True, **kw)
     assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == plain
+    # Each of the three requests waited for its grammar (the first for its compile).
+    assert gateway_server.metrics()["switchboard_grammar_wait_seconds_count"] == waits + 3
 
 
 def test_vllm_structured_outputs_choice(client: OpenAI, gateway_server: GatewayServer) -> None:

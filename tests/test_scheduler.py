@@ -69,6 +69,29 @@ def test_preempts_lowest_priority_and_recomputes():
     assert len(hi.pages) == 3
 
 
+def test_a_request_is_stamped_when_it_first_runs():
+    """`scheduled_at` marks the first admission (its queue time ends there): a request
+    waiting for a seat has none, and a preempted one keeps its first."""
+    sched, _ = make(num_pages=4, page_size=4, seqs=1, budget=64)
+    a, b = req("a", 8), req("b", 8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert a.scheduled_at is not None and a.scheduled_at >= a.added_at
+    assert b.scheduled_at is None  # one seat: b waits
+    first = a.scheduled_at
+    sched.finish(a, "stop")
+    run_step(sched)
+    assert b.scheduled_at is not None and b.scheduled_at >= first
+    sched, _ = make(num_pages=4, page_size=4, budget=64)
+    hi, lo = req("hi", 8, priority=0), req("lo", 8, priority=1)
+    sched.add(lo)
+    sched.add(hi)
+    run_step(sched)
+    stamped = lo.scheduled_at
+    assert run_step(sched).preempted == [lo] and lo.scheduled_at == stamped
+
+
 def test_priority_order_and_fcfs():
     sched, _ = make(seqs=1)
     late_urgent = req("u", 4, priority=-1)
