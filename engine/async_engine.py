@@ -213,7 +213,9 @@ class AsyncEngine:
 
         resolve_model_dir(self.config.model, self.config.cache_dir)  # converts a GGUF once
         self.load_stage = LOAD_STAGES[1]
-        return LLMEngine(self.config)
+        engine = LLMEngine(self.config)
+        engine.grammar.start()  # not on the first constrained request: see `start`
+        return engine
 
     def _iterate(self) -> None:
         outputs = self._drain(block=not self._engine.has_unfinished_requests())

@@ -34,17 +34,24 @@ class GrammarStage:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._compiler: Any = None  # started on first use: its worker costs a subprocess
+        self._compiler: Any = None  # built on first use or `start`: its worker is a subprocess
         self._starting = threading.Lock()
         self._starter = ThreadPoolExecutor(1, thread_name_prefix="grammar-start")
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="bitmask-fill")
         self.jump_forward_tokens = 0  # tokens appended without sampling (metrics)
         self._words = -(-vocab_size // 32)
 
+    def start(self) -> None:
+        """Build the compiler now (a server does, before it reports ready), rather than on the
+        first constrained request: building it holds the GIL for most of its ~1.3 s, which
+        would stall every stream and the engine step meanwhile, and its compile worker then
+        imports its backends while nothing waits on it."""
+        self.compiler  # noqa: B018 - the property builds it
+
     @property
     def compiler(self):
-        """The compiler, built on first use: ~1.3 s (the vocabulary and each backend's view of
-        it; llguidance's holds the GIL ~0.3 s)."""
+        """The compiler, built on first use (or by `start`): ~1.3 s (the vocabulary and each
+        backend's view of it)."""
         with self._starting:
             if self._compiler is None:
                 from grammar.compiler import GrammarCompiler
