@@ -14,6 +14,7 @@ token after it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +28,8 @@ from grammar.backend import BackendError
 from grammar.spec import ConstraintSpec, GrammarError
 from grammar.validate import check_output
 from kernels.bitmask import apply_token_bitmask_inplace
+
+log = logging.getLogger(__name__)
 
 
 class GrammarStage:
@@ -45,8 +48,13 @@ class GrammarStage:
         """Build the compiler now (a server does, before it reports ready), rather than on the
         first constrained request: building it holds the GIL for most of its ~1.3 s, which
         would stall every stream and the engine step meanwhile, and its compile worker then
-        imports its backends while nothing waits on it."""
-        self.compiler  # noqa: B018 - the property builds it
+        imports its backends while nothing waits on it. A compiler that cannot be built (a
+        tokenizer without EOS) does not stop the server: its constrained requests fail then,
+        each with the reason."""
+        try:
+            self.compiler  # noqa: B018 - the property builds it
+        except Exception as e:  # noqa: BLE001 - reported, and raised again on first use
+            log.warning("grammar compiler not started: %s: %s", type(e).__name__, e)
 
     @property
     def compiler(self):

@@ -226,3 +226,24 @@ def test_a_loaded_engine_has_built_its_grammar_compiler(tmp_path):
             await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())
+
+
+def test_a_grammar_compiler_that_cannot_start_does_not_stop_the_load(tmp_path, monkeypatch):
+    """Building the compiler at load is an optimization: when it fails (a tokenizer without
+    EOS, say; here the build raises), the engine loads anyway and the failure waits for a
+    constrained request."""
+    from engine.structured import GrammarStage
+
+    monkeypatch.setattr(GrammarStage, "compiler", property(lambda self: 1 / 0))
+
+    async def run() -> None:
+        engine = AsyncEngine(EngineConfig(model="synthetic:tiny", cache_dir=tmp_path,
+                                          num_pages=64, max_loras=0))
+        engine.start(asyncio.get_running_loop())
+        try:
+            assert await asyncio.to_thread(engine.wait_loaded, 120)
+            assert engine.load_error is None and engine.ready
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    asyncio.run(run())
