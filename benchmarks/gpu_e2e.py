@@ -228,8 +228,8 @@ def main() -> None:
             # of other tokens, since the server keeps the first round's KV in its prefix cache
             # (the offline rounds empty theirs). The clients run in CLIENT_PROCESSES processes:
             # one Python process parsing ~5k SSE events a second spends 0.6-0.7 of a core on it
-            # and adds its own delay to every TTFT (H100 host: TTFT p50 0.44 s from one process,
-            # 0.15 s from four, same server).
+            # and adds its own delay to every TTFT (H100 host, same server and prompts: TTFT p50
+            # 0.37 s from one process, 0.14-0.18 s from two to eight; tokens/s alike).
             warm, warm_outputs = mixed_workload(n_requests, vocab, scale, seed=8)
             s.result["warm_tok_s"] = http_workload(srv.url, warm, warm_outputs, 128,
                                                    CLIENT_PROCESSES)["tok_s"]
