@@ -55,8 +55,8 @@ class Metrics:
         )
         self.queue_time = Histogram(
             "switchboard_request_queue_time_seconds",
-            "Time a sequence waited in the engine before its first step (for a seat, KV pages, "
-            "its grammar's compile or its adapter's load)", buckets=TTFT_BUCKETS, registry=r,
+            "Time a sequence waited in the engine before its first step (for a seat, KV pages "
+            "or its adapter's load)", buckets=TTFT_BUCKETS, registry=r,
         )
         self.grammar_wait = Histogram(
             "switchboard_grammar_wait_seconds",
