@@ -164,8 +164,11 @@ def main() -> None:
         # the other two counts (a round's rate varies by a few percent on the same machine).
         runs: dict[str, list[float]] = {"greedy": [], "sampled": []}
         for _ in range(3):
+            before = {k: tuple(v) for k, v in llm.engine.step_times.items()}
             runs["greedy"].append(offline_tok_s(llm, prompts, outputs,
                                                 lambda i, m: greedy(m), dev))
+            # The engine's steps by kind, for the http section's (the server's) to compare.
+            s.result["greedy_steps"] = step_kinds(before, llm.engine.step_times)
             runs["sampled"].append(offline_tok_s(llm, prompts, outputs, sampled, dev))
         g = offline["greedy"] = max(runs["greedy"][1:])
         x = max(runs["sampled"][1:])
@@ -331,7 +334,8 @@ def queueing(before: dict[str, float], after: dict[str, float]) -> dict:
     """What the server's /metrics say about the requests between two readings, to tell what
     their TTFT waited for: their grammars (constrained requests, before they are queued), the
     engine's queue (for a seat, pages, an adapter), each as the mean and the share over 1 s;
-    how many sequences were preempted; the prompt tokens the prefix cache served."""
+    how many sequences were preempted; the prompt tokens the prefix cache served; the engine's
+    steps by kind with their mean ms (beside the offline engine's, `greedy_steps`)."""
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -345,7 +349,29 @@ def queueing(before: dict[str, float], after: dict[str, float]) -> dict:
     hit, miss = (delta(f"switchboard_prefix_cache_{k}_tokens_total") for k in ("hit", "miss"))
     return {"grammar_wait": waits("grammar_wait"), "queue_time": waits("request_queue_time"),
             "preemptions": int(delta("switchboard_preemptions_total")),
-            "prefix_hit_tokens": round(hit / max(hit + miss, 1), 3)}
+            "prefix_hit_tokens": round(hit / max(hit + miss, 1), 3),
+            "engine_steps": step_kinds(metric_steps(before), metric_steps(after))}
+
+
+def metric_steps(m: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """{kind: (steps, seconds)} from a /metrics reading (`switchboard_engine_step*`)."""
+    out: dict[str, tuple[float, float]] = {}
+    for key, value in m.items():
+        if k := re.fullmatch(r'switchboard_engine_(steps|step_seconds)_total\{kind="(\w+)"\}', key):
+            n, seconds = out.get(k[2], (0.0, 0.0))
+            out[k[2]] = (value, seconds) if k[1] == "steps" else (n, value)
+    return out
+
+
+def step_kinds(before: dict, after: dict) -> dict:
+    """Engine steps between two readings of {kind: (steps, seconds)}: per kind, how many
+    ran and their mean wall ms (`LLMEngine.step_times`; a server's from /metrics)."""
+    out = {}
+    for kind, (n, seconds) in after.items():
+        n0, s0 = before.get(kind, (0, 0.0))
+        if n > n0:
+            out[kind] = {"steps": int(n - n0), "ms": round((seconds - s0) / (n - n0) * 1e3, 2)}
+    return out
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -306,6 +306,7 @@ class AsyncEngine:
             kv_pages_total=e.allocator.num_pages,
             jump_forward_tokens=getattr(getattr(e, "grammar", None), "jump_forward_tokens", 0),
             num_preemptions=getattr(getattr(e, "scheduler", None), "num_preemptions", 0),
+            step_times={k: (int(n), s) for k, (n, s) in getattr(e, "step_times", {}).items()},
             prefix=prefix,
             spec_drafted=spec.drafted if spec else 0,
             spec_accepted=spec.accepted if spec else 0,

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
@@ -41,6 +42,11 @@ from lora.manager import AdapterManager, UnknownAdapter
 from lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
+
+# How a step ran (`LLMEngine.step_times`): in the overlapped loop (queued behind the step in
+# flight), synchronously (prefill and admission steps, a request mid-chunk, CPU engines), or
+# carrying speculative drafts (synchronous too).
+STEP_KINDS = ("overlapped", "synchronous", "speculative")
 
 
 class LLMEngine:
@@ -125,6 +131,11 @@ class LLMEngine:
         )
         self._requests: dict[str, Request] = {}
         self._ahead: Step | None = None  # the overlapped decode step in flight
+        # Per kind of step: how many ran and their wall seconds (`step`'s, device waits
+        # included), for /metrics: an overlapped step costs the device's time, a synchronous
+        # one the device's plus the host's.
+        self.step_times: dict[str, list[float]] = {k: [0, 0.0] for k in STEP_KINDS}
+        self._kind: str | None = None  # the running step's, set by `_step`
 
     def _disk_tier(self, cfg: ResolvedConfig, dtype: torch.dtype) -> DiskKV | None:
         if cfg.kv_disk_dir is None or self.runner.host_kv is None:
@@ -233,14 +244,22 @@ class LLMEngine:
         """schedule -> run -> postprocess. With `overlap` on, a batch whose every seq samples
         (no prompt left mid-chunk) starts the overlapped loop instead (`_overlap_step`).
         Raises `RankDied` once a tensor-parallel worker has exited."""
-        if self.workers is None:
-            return self._step()
-        with self.workers.running():
-            return self._step()
+        start, self._kind = time.perf_counter(), None
+        try:
+            if self.workers is None:
+                return self._step()
+            with self.workers.running():
+                return self._step()
+        finally:
+            if self._kind is not None:  # a step that ran a batch
+                times = self.step_times[self._kind]
+                times[0] += 1
+                times[1] += time.perf_counter() - start
 
     def _step(self) -> list[RequestOutput]:
         failed = [self._fail(req, why) for req, why in self._not_startable()]
         if self._ahead is not None:
+            self._kind = "overlapped"
             return failed + self._overlap_step(self._ahead)
         batch = self.scheduler.schedule()
         failed += [self._fail(req, why) for req, why in batch.failed]
@@ -252,11 +271,14 @@ class LLMEngine:
             batch, self._tokens_left, self.scheduler.add_draft,
             self.scheduler.max_num_batched_tokens, self.grammar,
         ):
+            self._kind = "speculative"
             return failed + self._speculate(batch)
         if self.overlap and batch.all_sample:
+            self._kind = "overlapped"
             first = self.runner.launch(batch)
             self.runner.sample(first, first.rows)
             return failed + self._overlap_step(first)
+        self._kind = "synchronous"
         return failed + self.postprocess(batch, self.runner.run(batch))
 
     def _overlap_step(self, prev: Step) -> list[RequestOutput]:

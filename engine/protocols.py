@@ -14,7 +14,7 @@ have these members; so does a test's fake.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -86,6 +86,8 @@ class EngineStats:
     kv_pages_total: int = 0
     jump_forward_tokens: int = 0
     num_preemptions: int = 0  # requests whose KV was dropped to make room (recomputed)
+    # Per kind of step (engine/engine.py `STEP_KINDS`): how many ran and their wall seconds.
+    step_times: dict[str, tuple[int, float]] = field(default_factory=dict)
     prefix: PrefixCacheStats = PrefixCacheStats()
     # Speculative decoding (engine/speculative.py): draft tokens verified and accepted,
     # sequence-steps that carried drafts, and the tokens those produced.

@@ -96,8 +96,8 @@ class Metrics:
 
 
 class _PrefixCacheCollector:
-    """The engine's prefix-cache, preemption and speculative-decoding totals as Prometheus
-    counters and gauges."""
+    """The engine's prefix-cache, preemption, step and speculative-decoding totals as
+    Prometheus counters and gauges."""
 
     def __init__(self, stats: Callable[[], EngineStats]):
         self.stats = stats
@@ -126,6 +126,15 @@ class _PrefixCacheCollector:
              "without verification)", stats.spec_forced),
         ]:
             yield CounterMetricFamily(name, doc, value=value)
+        steps = CounterMetricFamily("switchboard_engine_steps", "Engine steps that ran a batch, by "
+                                    "kind: overlapped, synchronous, speculative", labels=["kind"])
+        took = CounterMetricFamily("switchboard_engine_step_seconds", "Their wall time (device "
+                                   "waits included), by kind", labels=["kind"])
+        for kind, (n, seconds) in stats.step_times.items():
+            steps.add_metric([kind], n)
+            took.add_metric([kind], seconds)
+        yield steps
+        yield took
         yield GaugeMetricFamily("switchboard_prefix_cache_pages", "KV pages the prefix cache holds",
                                 value=p.cached_pages)
         yield from _kv_tier_metrics(p)

@@ -217,6 +217,8 @@ def test_metrics_expose_the_histograms(server: GatewayServer, client: OpenAI) ->
     assert 'switchboard_time_to_first_token_seconds_bucket{le="+Inf"}' in m
     assert m["switchboard_request_queue_time_seconds_count"] >= 1
     assert m["switchboard_preemptions_total"] == 0  # a pool of 160 pages never ran short
+    assert m['switchboard_engine_steps_total{kind="synchronous"}'] >= 2  # prefill, decode
+    assert m['switchboard_engine_step_seconds_total{kind="synchronous"}'] > 0
     assert m["switchboard_kv_pages_total"] == 160 and "switchboard_kv_pages_used" in m
     assert "switchboard_queue_depth" in m and "switchboard_running_batch_size" in m
     assert m['switchboard_prompt_tokens_total{tenant="alpha"}'] > 0

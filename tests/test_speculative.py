@@ -120,13 +120,19 @@ def test_requests_that_cannot_draft_keep_the_overlapped_loop(smollm2):
     prompt = _copy_prompts(smollm2)[0]
     params = [SamplingParams(max_tokens=12, temperature=0, speculative=False)] * 2
     want = smollm2.generate([prompt, prompt], params)
+    times = smollm2.engine.step_times  # per kind: [steps, seconds], for /metrics
+    before = {k: v[0] for k, v in times.items()}
     with speculating(smollm2) as spec, overlapped(smollm2) as ahead:
         got = smollm2.generate([prompt, prompt], params)
     assert sum(ahead) >= 8 and spec.stats.forwards == 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert times["overlapped"][0] - before["overlapped"] >= 8
+    assert times["speculative"][0] == before["speculative"]
     with speculating(smollm2) as spec, overlapped(smollm2) as ahead:
         smollm2.generate([prompt], [SamplingParams(max_tokens=12, temperature=0)])
     assert not any(ahead) and spec.stats.forwards > 0
+    assert times["speculative"][0] - before["speculative"] == spec.stats.forwards
+    assert all(s > 0 for n, s in times.values() if n)
 
 
 RECORD = {"service": "billing", "status": 503, "region": "eu-west-1", "retry": True}
