@@ -32,6 +32,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from engine.protocols import AdapterExists, AdapterInfo, AdapterRegistry
+from gateway.auth import Authenticate
 from gateway.errors import APIError, bad_request, clip, model_not_found, too_large
 from gateway.runtime import Runtime
 from gateway.shared_adapters import SharedAdapters, exists, invalid, over_quota, staging_dir
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 MAX_FILES = 16
 
 
-def adapter_routes(rt: Runtime, authenticate: Callable[..., str]) -> APIRouter:
+def adapter_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
     router = APIRouter()
     base = rt.config.model_name
     # One upload per tenant at a time on this replica: its quota check and its writes are one

@@ -61,7 +61,9 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
     install_error_handlers(app)
     app.add_middleware(RequestCounter, metrics=rt.metrics)
 
-    def authenticate(authorization: str | None = Header(None)) -> str:
+    # Dependencies are coroutines: FastAPI runs a plain `def` one in its thread pool, a thread
+    # hop per request (and a wait for a pool thread under load) for a dict lookup.
+    async def authenticate(authorization: str | None = Header(None)) -> str:
         return rt.auth.tenant_for(authorization)
 
     add_session_routes(app, rt, authenticate)
@@ -75,7 +77,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         rt.require_ready()
         return {"status": "ready", "model": config.model_name}
 
-    def admin(authorization: str | None = Header(None)) -> None:
+    async def admin(authorization: str | None = Header(None)) -> None:
         rt.auth.require_admin(authorization)
 
     # Its labels name every tenant: with API keys, only admin keys read it.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 
 from gateway.config import DEFAULT_TENANT, TenantLimits
 from gateway.errors import APIError, forbidden, unauthorized
@@ -33,6 +33,8 @@ from gateway.redis_store import AUTH_ADMINS, AUTH_KEYS, AUTH_TENANTS, Redis
 log = logging.getLogger(__name__)
 
 REFRESH_S = 2.0
+# A route dependency resolving a request's tenant from its Authorization header (gateway/app.py).
+Authenticate = Callable[..., Awaitable[str]]
 KeyTable = tuple[dict[str, str], dict[str, TenantLimits], Collection[str]]  # keys, limits, admins
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway.auth import Authenticate
 from gateway.body import read_body
 from gateway.response_chain import Stores, not_found
 from gateway.response_items import Item, check_metadata, input_messages, message_items, new_id
@@ -49,7 +49,7 @@ class AddItems(BaseModel):
 
 
 def conversation_routes(
-    rt: Runtime, stores: Stores, authenticate: Callable[..., str]
+    rt: Runtime, stores: Stores, authenticate: Authenticate
 ) -> APIRouter:
     router = APIRouter()
     limit = rt.config.max_request_bytes

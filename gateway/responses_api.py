@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.adapters import ensure_adapter
+from gateway.auth import Authenticate
 from gateway.body import read_body
 from gateway.errors import APIError, bad_request
 from gateway.generation import Generation
@@ -50,7 +51,7 @@ from grammar.spec import GrammarError
 INCOMPLETE = {"length": "max_output_tokens"}
 
 
-def response_routes(rt: Runtime, stores: Stores, authenticate: Callable[..., str]) -> APIRouter:
+def response_routes(rt: Runtime, stores: Stores, authenticate: Authenticate) -> APIRouter:
     router = APIRouter()
     limit = rt.config.max_request_bytes
 

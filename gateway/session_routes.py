@@ -7,12 +7,11 @@ requests never touch the store.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gateway.adapters import ensure_adapter
+from gateway.auth import Authenticate
 from gateway.body import read_body
 from gateway.errors import bad_request
 from gateway.params import resolve_adapter
@@ -21,7 +20,7 @@ from gateway.session_store import Message, Session, StoreUnavailable
 from gateway.sessions import CreateSession, ForkSession, find_session, store_unavailable
 
 
-def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Callable[..., str]) -> None:
+def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Authenticate) -> None:
     store, limit = rt.sessions, rt.config.max_request_bytes
 
     @app.exception_handler(StoreUnavailable)
