@@ -209,10 +209,8 @@ def test_load_failure_is_reported_not_raised() -> None:
     asyncio.run(main())
 
 
-def test_a_loaded_engine_has_built_its_grammar_compiler(tmp_path):
-    """A real engine (synthetic:tiny): the server's engine builds its grammar compiler while it
-    loads, so the first constrained request neither waits for it nor stalls every stream while
-    it is built (it holds the GIL for most of its ~1.3 s)."""
+def _load_tiny(tmp_path, check) -> None:
+    """Load a real engine (synthetic:tiny) through an `AsyncEngine`, then `check(engine)`."""
 
     async def run() -> None:
         engine = AsyncEngine(EngineConfig(model="synthetic:tiny", cache_dir=tmp_path,
@@ -220,12 +218,23 @@ def test_a_loaded_engine_has_built_its_grammar_compiler(tmp_path):
         engine.start(asyncio.get_running_loop())
         try:
             assert await asyncio.to_thread(engine.wait_loaded, 120)
-            assert engine.load_error is None
-            assert engine._engine.grammar._compiler is not None
+            assert engine.load_error is None and engine.ready
+            check(engine)
         finally:
             await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())
+
+
+def test_a_loaded_engine_has_built_its_grammar_compiler(tmp_path):
+    """The server's engine builds its grammar compiler while it loads, so the first constrained
+    request neither waits for it nor stalls every stream while it is built (it holds the GIL
+    for most of its ~1.3 s)."""
+
+    def built(engine: AsyncEngine) -> None:
+        assert engine._engine.grammar._compiler is not None
+
+    _load_tiny(tmp_path, built)
 
 
 def test_a_grammar_compiler_that_cannot_start_does_not_stop_the_load(tmp_path, monkeypatch):
@@ -235,15 +244,4 @@ def test_a_grammar_compiler_that_cannot_start_does_not_stop_the_load(tmp_path, m
     from engine.structured import GrammarStage
 
     monkeypatch.setattr(GrammarStage, "compiler", property(lambda self: 1 / 0))
-
-    async def run() -> None:
-        engine = AsyncEngine(EngineConfig(model="synthetic:tiny", cache_dir=tmp_path,
-                                          num_pages=64, max_loras=0))
-        engine.start(asyncio.get_running_loop())
-        try:
-            assert await asyncio.to_thread(engine.wait_loaded, 120)
-            assert engine.load_error is None and engine.ready
-        finally:
-            await asyncio.to_thread(engine.shutdown)
-
-    asyncio.run(run())
+    _load_tiny(tmp_path, lambda engine: None)
