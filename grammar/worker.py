@@ -231,4 +231,7 @@ def _address_space_bytes() -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    serve(Connection(int(sys.argv[1])), int(sys.argv[2]))
+    try:
+        serve(Connection(int(sys.argv[1])), int(sys.argv[2]))
+    except (EOFError, BrokenPipeError):  # the parent stopped during the handshake: no one to tell
+        pass
