@@ -12,7 +12,10 @@ event loop and request threads share the GIL with the engine thread.
     .venv/bin/python benchmarks/http_gap.py [--device cpu --threads 1] [--rounds 2]
         [--out benchmarks/results/http_gap_cpu.md]
     python3 benchmarks/http_gap.py --device cuda --model synthetic:llama3-8b --requests 256 \\
-        --scale 1 --clients 128   # the suite's http section's workload, on a GPU
+        --scale 1 --clients 128 [--piecewise both]   # the suite's http workload, on a GPU
+
+`--piecewise both` runs every round with and without the piecewise graphs of steps that
+prefill (engine/piecewise_graphs.py): offline on one engine, through one server each way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -72,6 +76,9 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.25, help="prompt and output lengths x")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--piecewise", choices=("on", "off", "both"), default="on",
+                    help="replay steps that prefill as piecewise CUDA graphs (engine config "
+                    "`piecewise_graphs`); both: every round once each way (GPU only)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     machine = describe()  # before the engine sets torch's threads
@@ -92,45 +99,67 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     prompts, outputs = mixed_workload(args.requests, vocab, args.scale)
     rows: list[tuple[str, int, dict]] = []
-    offline_tok_s(llm, prompts, outputs, lambda i, m: greedy(m), args.device)  # warm-up
+    runner = llm.engine.runner
+    pieces = runner.piecewise  # set aside for the rounds without them
+    ways = ("on", "off") if args.piecewise == "both" else (args.piecewise,)
+    for way in ways:  # warm-up
+        runner.piecewise = pieces if way == "on" else None
+        offline_tok_s(llm, prompts, outputs, lambda i, m: greedy(m), args.device)
     for _ in range(args.rounds):
-        before = {k: tuple(v) for k, v in llm.engine.step_times.items()}
-        tok = offline_tok_s(llm, prompts, outputs, lambda i, m: greedy(m), args.device)
-        rows.append(("offline", round(tok), step_kinds(before, llm.engine.step_times)))
-        print(*rows[-1], flush=True)
-    del llm
+        for way in ways:
+            runner.piecewise = pieces if way == "on" else None
+            before = {k: tuple(v) for k, v in llm.engine.step_times.items()}
+            tok = offline_tok_s(llm, prompts, outputs, lambda i, m: greedy(m), args.device)
+            rows.append((label("offline", way, cuda), round(tok),
+                         step_kinds(before, llm.engine.step_times)))
+            print(*rows[-1], flush=True)
+    del llm, runner, pieces
     gc.collect()
+    if cuda:  # the servers need the memory this process's allocator keeps
+        import torch
+
+        torch.cuda.empty_cache()
     for _ in range(args.rounds):
-        for mode in ("streamed", "not streamed"):
-            with Server(flags) as srv:
+        for way, mode in itertools.product(ways, ("streamed", "not streamed")):
+            off = ["--no-piecewise-graphs"] if way == "off" else []
+            with Server(flags + off) as srv:
                 warm, warm_out = mixed_workload(args.requests, vocab, args.scale, seed=8)
                 http_workload(srv.url, warm, warm_out, args.clients)
                 before = srv.metrics()
                 tok = http_workload(srv.url, prompts, outputs, args.clients)["tok_s"] \
                     if mode == "streamed" else \
                     asyncio.run(unstreamed(srv.url, prompts, outputs, args.clients))
-                rows.append((mode, tok, step_kinds(metric_steps(before),
-                                                   metric_steps(srv.metrics()))))
+                rows.append((label(mode, way, cuda), tok,
+                             step_kinds(metric_steps(before), metric_steps(srv.metrics()))))
                 print(*rows[-1], flush=True)
     if args.out:
         args.out.write_text(render(args, machine, rows))
 
 
+def label(mode: str, way: str, cuda: bool) -> str:
+    """A row's name: the run and, on a GPU, whether steps that prefill replayed pieces."""
+    return f"{mode}, pieces {way}" if cuda else mode
+
+
 def render(args: argparse.Namespace, machine: str, rows: list[tuple[str, int, dict]]) -> str:
-    base = statistics.median(tok for mode, tok, _ in rows if mode == "offline")
+    def base(mode: str) -> float:  # the offline median of the same way (pieces on or off)
+        way = mode.partition(",")[2]
+        return statistics.median(t for m, t, _ in rows
+                                 if m.startswith("offline") and m.partition(",")[2] == way)
+
     kinds = sorted({k for _, _, steps in rows for k in steps})
     lines = [
         "# The engine's steps offline and through the server (`benchmarks/http_gap.py`)", "",
         f"Machine: {machine}. `{' '.join(sys.argv[1:])}`: `{args.model}` on "
         f"{args.device}, {args.requests} requests (`gpu_e2e.mixed_workload`, lengths x "
         f"{args.scale}), {args.clients} concurrent clients; one fresh server per row.", "",
-        "| run | output tok/s | ÷ offline (median) | "
+        "| run | output tok/s | ÷ offline (median, same pieces) | "
         + " | ".join(f"{k} steps · ms" for k in kinds) + " |",
         "|---|---|---|" + "---|" * len(kinds),
     ]
     for mode, tok, steps in rows:
         cells = [f"{steps[k]['steps']} · {steps[k]['ms']}" if k in steps else "-" for k in kinds]
-        lines.append(f"| {mode} | {tok} | {tok / base:.3f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {mode} | {tok} | {tok / base(mode):.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -145,7 +145,10 @@ class EngineConfig(BaseModel):
     device: str = setting("cpu", metavar="DEVICE", help="cpu | cuda")
     seed: int = setting(0, help="engine seed for unseeded sampling")
     cuda_graphs: bool | None = setting(
-        None, help="replay captured CUDA graphs for decode-only steps (default: on CUDA)")
+        None, help="replay captured CUDA graphs for decode steps (default: on CUDA)")
+    piecewise_graphs: bool = setting(
+        True, help="with CUDA graphs, replay steps that prefill as graphs of the layers "
+        "between attentions, which run eagerly (off: such steps run eagerly)")
     overlap_schedule: bool | None = setting(
         None, help="queue each decode step's forward before postprocessing the previous one "
         "(default: on CUDA, where the host's work then hides behind the device's)")

@@ -116,6 +116,7 @@ class LLMEngine:
             max_model_len=cfg.max_model_len, eos_token_ids=sorted(self.eos_token_ids),
             host_kv_pages=cfg.host_kv_pages if cfg.prefix_cache else 0, tp=tp,
             verify_queries=1 + cfg.num_speculative_tokens if cfg.num_speculative_tokens else 0,
+            piecewise_max_tokens=cfg.max_num_batched_tokens if cfg.piecewise_graphs else 0,
         )
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
                                         cfg.session_kv_pages, self.runner.host_kv,

@@ -3,9 +3,10 @@
 This is the only engine module that builds tensors from the scheduler's lists. A step's inputs
 are built once as host lists (`engine.step_inputs`: decodes first, then prefill chunks); the
 eager forward uploads them, and on CUDA a decode-only step, or one sequence's short last chunk,
-copies them into a captured graph's static buffers instead (`engine.cuda_graphs`). Every upload
-goes through pinned memory without waiting (`kernels.upload`), so the one host sync of a step
-is reading the sampled tokens.
+copies them into a captured graph's static buffers instead (`engine.cuda_graphs`); other steps
+of up to `PIECEWISE_MAX_TOKENS` tokens replay graphs of the layers between their attentions
+(`engine.piecewise_graphs`). Every upload goes through pinned memory without waiting
+(`kernels.upload`), so the one host sync of a step is reading the sampled tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from engine.cuda_graphs import EXTEND_ROWS, DecodeGraphs, ExtendGraphs, VerifyGr
 from engine.kv_host import HostKVPool
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import Forward, TPGroup
+from engine.piecewise_graphs import PiecewiseGraphs
 from engine.request import Request
 from engine.sampler import Drawn, Sampler, SampleResult
 from engine.scheduler import Batch, ScheduledSeq
@@ -30,6 +32,10 @@ from kernels.upload import upload
 from lora.layers import LoraContext
 
 EXTEND_GRAPH_TOKENS = 256  # chunks up to this long replay a graph when alone in their step
+# Mixed steps up to this many tokens replay piecewise graphs (engine/piecewise_graphs.py);
+# longer ones spend far more GPU time computing than host time launching (H100, 8B model:
+# ~45 ms against ~14 ms at 2048 tokens).
+PIECEWISE_MAX_TOKENS = 2048
 
 
 class ModelRunner:
@@ -47,6 +53,7 @@ class ModelRunner:
         host_kv_pages: int = 0,
         tp: TPGroup | None = None,
         verify_queries: int = 0,
+        piecewise_max_tokens: int = PIECEWISE_MAX_TOKENS,
     ):
         """`cuda_graph_max_batch > 0` on a CUDA model captures decode graphs for batches up to
         that size and contexts up to `max_model_len` (default: the whole pool).
@@ -55,7 +62,8 @@ class ModelRunner:
         With `tp` (tensor parallelism), rank 0's runner sends each forward's inputs to the
         other ranks' runners (`engine.parallel`), which run the same `forward`.
         `verify_queries` (1 + the engine's draft tokens; 0: it does not speculate) sizes the
-        graphs of speculative steps of several sequences."""
+        graphs of speculative steps of several sequences. `piecewise_max_tokens` (the scheduler's
+        token budget; 0: none) sizes the piecewise graphs of mixed steps."""
         self.model = model
         self.tp = tp
         self.grammar = grammar
@@ -81,6 +89,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if cuda_graph_max_batch > 0 and self.device.type == "cuda":
             max_pages = min(-(-(max_model_len or num_pages * page_size) // page_size), num_pages)
             self.graphs = DecodeGraphs(
@@ -99,6 +108,16 @@ class ModelRunner:
                     lora, verify_queries,
                 )
                 self.verify_graphs.capture()
+            # A tensor-parallel step's pieces would hold its collectives: not captured.
+            if piecewise_max_tokens > 0 and tp is None:
+                self.piecewise = PiecewiseGraphs(
+                    model, self.kv_caches, self.pad_page * page_size,
+                    min(piecewise_max_tokens, PIECEWISE_MAX_TOKENS),
+                    self.host_kv.layer_ready if self.host_kv is not None else None,
+                )
+                if lora is not None:
+                    lora.info = None  # the pieces are captured base-only
+                self.piecewise.capture()
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[tuple[Request, SampleResult]]:
@@ -139,6 +158,11 @@ class ModelRunner:
                 self.tp.broadcast(input_ids)
         graph_ok = self.host_kv is None or self.host_kv.graph_ok()
         logits = self._graph_logits(inputs, input_ids) if graph_ok else None
+        if logits is None and graph_ok and self._piecewise_fits(inputs):
+            assert self.piecewise is not None
+            ids, positions, meta, sample_rows = self._prepare(inputs)
+            hidden = self.piecewise.run(ids if input_ids is None else input_ids, positions, meta)
+            logits = self.model.compute_logits(hidden[sample_rows])
         if logits is None:
             kv = self.kv_caches if self.host_kv is None else self.host_kv.layers(self.kv_caches)
             ids, positions, meta, sample_rows = self._prepare(inputs)
@@ -236,6 +260,12 @@ class ModelRunner:
         if not self.graphs.fits(num_seqs, max(inputs.context_lens)):
             return None
         return self.graphs.run(inputs, input_ids)
+
+    def _piecewise_fits(self, inputs: StepInputs) -> bool:
+        """May this step (one no whole-step graph fits) replay the piecewise graphs? Not with
+        LoRA rows: the pieces are captured base-only."""
+        return (self.piecewise is not None and self.piecewise.fits(len(inputs.input_ids))
+                and all(s < 0 for s in inputs.lora_slots))
 
     def _prepare(
         self, x: StepInputs

@@ -36,6 +36,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend; this step's K/V are in the cache already (`kernels.fused.rope_cache` writes
     them at `meta.slot_mapping`).
@@ -43,10 +44,11 @@ def paged_attention(
     Args:
         q: [T, H, D] for the step's new tokens.
         k_cache, v_cache: [S, KVH, D] slot arrays of this layer.
+        out: [T, H, D] to write into (default: a new tensor).
     Returns:
-        [T, H, D]
+        [T, H, D]: `out`
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     nd = meta.num_decodes
     if nd:
         paged_decode(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny
+from tests.tiny_models import save_tiny, save_word_tokenizer
 
 pytestmark = pytest.mark.gpu
 VOCAB = 320
@@ -17,16 +17,6 @@ ADAPTERS = {  # name -> peft LoraConfig kwargs
                                                      "gate_proj", "up_proj", "down_proj"]),
     "qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
 }
-
-
-def save_word_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over the tiny vocabulary ("t0".."t319"), made offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +113,41 @@ def test_extend_graphs_match_cpu(tiny):
         ]
     assert outs["cuda"] == outs["cpu"]
     assert len(replays) == len(prompts) and max(replays) > 16, replays
+
+
+def test_piecewise_graphs_match_cpu(tiny):
+    """Base-model requests with more prompts than seats and a small step budget: prompts are
+    prefilled in chunks beside decodes, so mixed steps replay the piecewise graphs (padded to
+    their sizes; a step with an adapter's rows stays eager). Tokens equal the CPU path's, in
+    fp32 and with the host KV tier's fenced layers, as with the pieces turned off."""
+    from engine import LLM, SamplingParams
+
+    base, adapters = tiny
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+               for n in (5, 70, 23, 41, 9, 33, 60, 12)]
+    requests = [None, None, None, "all8", None, None, None, None]
+
+    def run(**engine_args):
+        llm = LLM(model=str(base), max_num_seqs=4, num_pages=64, page_size=16,
+                  max_num_batched_tokens=48, **engine_args)
+        for name, path in adapters.items():
+            llm.load_adapter(name, path)
+        replays: list[int] = []
+        pw = llm.engine.runner.piecewise
+        if pw is not None:
+            pw.run = lambda ids, *a, run=pw.run: replays.append(len(ids)) or run(ids, *a)
+        params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, adapter=a)
+                  for a in requests]
+        return [o.token_ids for o in llm.generate(prompts, params)], replays
+
+    cpu, _ = run(device="cpu")
+    for extra in ({}, {"host_kv_gb": 0.01}):
+        cuda, replays = run(device="cuda", **extra)
+        assert cuda == cpu, extra
+        assert replays and max(replays) > 1, replays
+    eager, replays = run(device="cuda", piecewise_graphs=False)
+    assert eager == cpu and not replays
 
 
 def test_graphs_follow_a_changing_batch(tiny):

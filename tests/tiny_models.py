@@ -64,6 +64,16 @@ def save_tiny(path: Path, kind: str = "llama", **overrides) -> Path:
     return path
 
 
+def save_word_tokenizer(path: Path, vocab: int = 320) -> None:
+    """A word-level tokenizer over a tiny vocabulary ("t0".."t319"), made offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(path)
+
+
 def save_peft_adapter(base_dir: Path, out: Path, seed: int, fill: float | None = None) -> Path:
     """A real PEFT LoRA (r=4 on q_proj and v_proj of layers 0-1) for the model at `base_dir`;
     `fill` sets every LoRA weight to that value (1e30: finite, but the forward overflows)."""

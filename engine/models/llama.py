@@ -101,13 +101,20 @@ class Attention(nn.Module):
         self.qk_norm = QKNorm(cfg) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q = self.project(x, cos, sin, kv_cache, meta.slot_mapping)
+        return self.output(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale))
+
+    def project(self, x, cos, sin, kv_cache, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> the rotated queries [T, heads, head_dim]; this step's K/V are
+        written to `kv_cache` at `slot_mapping`. (Attention's first half: the piecewise CUDA
+        graphs, engine/piecewise_graphs.py, replay it and run the attention between.)"""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k)
-        q = fused.rope_cache(
+        return fused.rope_cache(
             q,
             k,
             v.view(T, self.num_kv_heads, self.head_dim),
@@ -115,10 +122,12 @@ class Attention(nn.Module):
             sin,
             kv_cache[0],
             kv_cache[1],
-            meta.slot_mapping,
+            slot_mapping,
         )
-        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        out = self.o_proj(o.reshape(T, self.q_size))
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention's output o: [T, heads, head_dim] -> [T, hidden]."""
+        out = self.o_proj(o.reshape(o.shape[0], self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
