@@ -112,11 +112,9 @@ class ModelRunner:
             if piecewise_max_tokens > 0 and tp is None:
                 self.piecewise = PiecewiseGraphs(
                     model, self.kv_caches, self.pad_page * page_size,
-                    min(piecewise_max_tokens, PIECEWISE_MAX_TOKENS),
+                    min(piecewise_max_tokens, PIECEWISE_MAX_TOKENS), cuda_graph_max_batch, lora,
                     self.host_kv.layer_ready if self.host_kv is not None else None,
                 )
-                if lora is not None:
-                    lora.info = None  # the pieces are captured base-only
                 self.piecewise.capture()
 
     @torch.inference_mode()
@@ -161,7 +159,12 @@ class ModelRunner:
         if logits is None and graph_ok and self._piecewise_fits(inputs):
             assert self.piecewise is not None
             ids, positions, meta, sample_rows = self._prepare(inputs)
-            hidden = self.piecewise.run(ids if input_ids is None else input_ids, positions, meta)
+            token_slots = None
+            if any(s >= 0 for s in inputs.lora_slots):
+                token_slots = [slot for slot, n in zip(inputs.lora_slots, inputs.num_new_tokens,
+                                                       strict=True) for _ in range(n)]
+            hidden = self.piecewise.run(ids if input_ids is None else input_ids, positions, meta,
+                                        token_slots)
             logits = self.model.compute_logits(hidden[sample_rows])
         if logits is None:
             kv = self.kv_caches if self.host_kv is None else self.host_kv.layers(self.kv_caches)
@@ -262,10 +265,8 @@ class ModelRunner:
         return self.graphs.run(inputs, input_ids)
 
     def _piecewise_fits(self, inputs: StepInputs) -> bool:
-        """May this step (one no whole-step graph fits) replay the piecewise graphs? Not with
-        LoRA rows: the pieces are captured base-only."""
-        return (self.piecewise is not None and self.piecewise.fits(len(inputs.input_ids))
-                and all(s < 0 for s in inputs.lora_slots))
+        """May this step (one no whole-step graph fits) replay the piecewise graphs?"""
+        return self.piecewise is not None and self.piecewise.fits(len(inputs.input_ids))
 
     def _prepare(
         self, x: StepInputs

@@ -17,7 +17,10 @@ pieces of the smallest size `b >= T` and runs each layer's attention eagerly in 
 never read (every op of a piece is row by row). The pieces pass the residual stream, the rotary
 tables and the queries through static buffers; the graphs share one memory pool.
 
-Steps with LoRA rows, and tensor-parallel models, stay eager; so do steps of more than
+With LoRA, each size has a second set of pieces whose projections run `kernels.seg_lora` over
+a static segment table (runs of rows with one adapter, cut at `MAX_ROWS` rows; its capacity,
+not the step's adapters, sizes the grid), refilled before a replay; a base-only step replays
+the first set. Tensor-parallel models stay eager, as do steps of more than
 `PIECEWISE_MAX_TOKENS` (engine/model_runner.py), whose GPU time dwarfs their launches.
 """
 
@@ -31,6 +34,10 @@ import torch
 from engine.cuda_graphs import capture_graph
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from kernels.attention import AttentionMetadata, paged_attention
+from kernels.seg_lora import MAX_ROWS, segment_table
+from kernels.upload import upload
+from lora.batch import LoraBatchInfo
+from lora.layers import LoraContext
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -55,13 +62,16 @@ class PiecewiseGraphs:
         kv_caches: Sequence[KV],
         pad_slot: int,
         max_tokens: int,
+        max_seqs: int,
+        lora: LoraContext | None = None,
         layer_ready: Sequence[torch.cuda.Event] | None = None,
     ):
-        """`layer_ready`: the host KV tier's events; piece i waits for layer i's before it
+        """`max_seqs`: the most sequences in a step (it bounds the LoRA segments);
+        `layer_ready`: the host KV tier's events; piece i waits for layer i's before it
         writes that layer's K/V (a replayed wait on an event recorded long ago costs nothing)."""
         self.model, self.kv_caches, self.pad_slot = model, list(kv_caches), pad_slot
         self.layers = [cast(DecoderLayer, layer) for layer in model.layers]
-        self.layer_ready = layer_ready
+        self.max_seqs, self.lora, self.layer_ready = max_seqs, lora, layer_ready
         self.sizes = piecewise_sizes(max_tokens)
         cfg, w = model.local_cfg, model.embed_tokens.weight
         b, half = self.sizes[-1], cfg.head_dim // 2
@@ -74,40 +84,77 @@ class PiecewiseGraphs:
         self.residual = torch.zeros_like(self.x)
         self.q = torch.zeros(b, cfg.num_heads, cfg.head_dim, dtype=w.dtype, device=w.device)
         self.o = torch.zeros_like(self.q)  # rows past a step's tokens keep finite old values
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        cap = self.segment_capacity(b)
+        self.seg_indptr = torch.zeros(cap + 1, dtype=torch.int32, device=w.device)
+        self.seg_slots = torch.full((cap,), -1, dtype=torch.int32, device=w.device)
+        # (size, with LoRA) -> the pieces, in order
+        self.graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.sizes[-1]
 
+    def segment_capacity(self, b: int) -> int:
+        """Segments of a step of at most `b` tokens in `max_seqs` sequences: each run of one
+        adapter is cut into pieces of `MAX_ROWS` rows."""
+        return -(-b // MAX_ROWS) + self.max_seqs
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every piece of every size, largest first so the smaller sizes reuse its
-        memory pool (the pieces' outputs live in the static buffers, outside it)."""
+        """Capture every piece of every size (with LoRA, twice: base-only and segmented),
+        largest first so the smaller sizes reuse its memory pool (the pieces' outputs live in
+        the static buffers, outside it)."""
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
-            self.graphs[b] = [capture_graph(lambda i=i, b=b: self._piece(i, b), pool)[0]
-                              for i in range(len(self.layers) + 1)]
+            for lora in (False, True) if self.lora is not None else (False,):
+                self._set_lora(b, lora)
+                self.graphs[(b, lora)] = [
+                    capture_graph(lambda i=i, b=b: self._piece(i, b), pool)[0]
+                    for i in range(len(self.layers) + 1)]
+        self._set_lora(0, False)
         torch.cuda.synchronize()
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        token_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """The forward of a step of T tokens (`input_ids`, `positions`: [T] on the device;
-        `meta`: its attention metadata, slot mapping included). Returns the final hidden
-        states [T, hidden], a view of a static buffer valid until the next run."""
+        `meta`: its attention metadata, slot mapping included; `token_slots`: each token's
+        adapter slot, None when no token has one). Returns the final hidden states
+        [T, hidden], a view of a static buffer valid until the next run."""
         t = len(input_ids)
         b = next(s for s in self.sizes if s >= t)
         self.ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         self.slots[:t].copy_(meta.slot_mapping)
         self.slots[t:b].fill_(self.pad_slot)  # padding rows' old ids and positions are valid
-        pieces = self.graphs.get(b)
+        lora = token_slots is not None
+        if lora:  # the padding rows are in no segment
+            assert token_slots is not None and self.lora is not None
+            cap = self.segment_capacity(b)
+            indptr, seg_slots = upload(list(segment_table(token_slots, cap)), torch.int32,
+                                       self.seg_slots.device)
+            self.seg_indptr[: cap + 1].copy_(indptr)
+            self.seg_slots[:cap].copy_(seg_slots)
+        self._set_lora(b, lora)  # what an uncaptured piece reads (a replay has its own)
+        pieces = self.graphs.get((b, lora))
         scale = self.layers[0].self_attn.scale
         self._replay(pieces, 0, b)
         for i, kv in enumerate(self.kv_caches):
             paged_attention(self.q[:t], kv[0], kv[1], meta, scale, out=self.o[:t])
             self._replay(pieces, i + 1, b)
         return self.x[:t]
+
+    def _set_lora(self, b: int, lora: bool) -> None:
+        """The LoRA wrappers read `lora.info` when they run or are captured: the segmented
+        kernel over the static table of size `b`'s capacity, or none."""
+        if self.lora is None:
+            return
+        cap = self.segment_capacity(b)
+        self.lora.info = (LoraBatchInfo.segmented(self.seg_indptr[: cap + 1],
+                                                  self.seg_slots[:cap]) if lora else None)
 
     def _replay(self, pieces: list[torch.cuda.CUDAGraph] | None, i: int, b: int) -> None:
         if pieces is None:

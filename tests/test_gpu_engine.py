@@ -116,27 +116,28 @@ def test_extend_graphs_match_cpu(tiny):
 
 
 def test_piecewise_graphs_match_cpu(tiny):
-    """Base-model requests with more prompts than seats and a small step budget: prompts are
-    prefilled in chunks beside decodes, so mixed steps replay the piecewise graphs (padded to
-    their sizes; a step with an adapter's rows stays eager). Tokens equal the CPU path's, in
-    fp32 and with the host KV tier's fenced layers, as with the pieces turned off."""
+    """More prompts than seats and a small step budget: prompts are prefilled in chunks beside
+    decodes, so mixed steps replay the piecewise graphs (padded to their sizes), base-only and
+    with adapters' rows (the segmented LoRA pieces). Tokens equal the CPU path's, in fp32 and
+    with the host KV tier's fenced layers, as with the pieces turned off."""
     from engine import LLM, SamplingParams
 
     base, adapters = tiny
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist()
                for n in (5, 70, 23, 41, 9, 33, 60, 12)]
-    requests = [None, None, None, "all8", None, None, None, None]
+    requests = [None, None, None, "all8", None, "qv4", None, None]
 
     def run(**engine_args):
         llm = LLM(model=str(base), max_num_seqs=4, num_pages=64, page_size=16,
                   max_num_batched_tokens=48, **engine_args)
         for name, path in adapters.items():
             llm.load_adapter(name, path)
-        replays: list[int] = []
+        replays: list[tuple[int, bool]] = []  # (tokens, with LoRA rows) of each replay
         pw = llm.engine.runner.piecewise
         if pw is not None:
-            pw.run = lambda ids, *a, run=pw.run: replays.append(len(ids)) or run(ids, *a)
+            pw.run = lambda ids, *a, run=pw.run: replays.append(
+                (len(ids), a[-1] is not None)) or run(ids, *a)
         params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, adapter=a)
                   for a in requests]
         return [o.token_ids for o in llm.generate(prompts, params)], replays
@@ -145,7 +146,8 @@ def test_piecewise_graphs_match_cpu(tiny):
     for extra in ({}, {"host_kv_gb": 0.01}):
         cuda, replays = run(device="cuda", **extra)
         assert cuda == cpu, extra
-        assert replays and max(replays) > 1, replays
+        assert {lora for _, lora in replays} == {False, True}, replays
+        assert max(n for n, _ in replays) > 1, replays
     eager, replays = run(device="cuda", piecewise_graphs=False)
     assert eager == cpu and not replays
 
