@@ -236,6 +236,12 @@ class KVTiers:
         self._write_through(req.cache_node)
         self._to_disk(req)
 
+    def drop_loads(self) -> None:
+        """Give up every waiting request's load (`PrefixCache.make_room`): the copied pages
+        stay cached on the device, unlocked; each request finds them there when it starts."""
+        for req in list(self._loading):
+            self._drop_load(req)
+
     def _drop_load(self, req: Request) -> int:
         """Forget `req`'s load: it was attached, or it ended first. Either way the next forward
         may read or reuse the pages, so it waits for a copy still running (`HostKV.use`); the

@@ -12,7 +12,8 @@ on `request.cache_node`; the rest belong to the request. The scheduler calls:
 - `release(req)` when a request finishes or is preempted: commit, then the request's own
   pages go back to the allocator and its lock is dropped (a session's path is pinned).
 - `make_room(n)` when the allocator runs short: evict unlocked LRU leaves first, unpinning
-  idle sessions if that is what it takes.
+  idle sessions, then giving up waiting requests' loads from the host tier, if that is what
+  it takes.
 - `ready(req)` before admission: False while the part of its prefix on a lower tier is brought
   back (engine/kv_tiers.py, when the engine has a host tier: evicted KV then moves there
   instead of being dropped).
@@ -72,7 +73,10 @@ class PrefixCache:
         self.enabled = enabled
         self.tree = RadixTree(page_size)
         self.pins = SessionPins(self.tree, session_pages)
-        self.tiers = (KVTiers(self.tree, allocator, page_size, self.make_room, host, disk)
+        # A load's own room never comes from other loads (they would take turns dropping
+        # each other's).
+        self.tiers = (KVTiers(self.tree, allocator, page_size,
+                              lambda n: self.make_room(n, drop_loads=False), host, disk)
                       if host is not None and enabled else None)
         self.hit_tokens = 0
         self.miss_tokens = 0
@@ -158,16 +162,22 @@ class PrefixCache:
 
     # -- room and reset -------------------------------------------------------------------
 
-    def make_room(self, num_pages: int) -> bool:
+    def make_room(self, num_pages: int, drop_loads: bool = True) -> bool:
         """Evict LRU unlocked tree pages until `num_pages` can be allocated; False if they
         cannot (then nothing is evicted). Session pins give way when they stand in the way:
         the least recently used sessions are unpinned first (their KV stays cached, now
-        evictable), so that idle sessions never make a request wait forever."""
+        evictable), so that idle sessions never make a request wait forever. So do the loads
+        of waiting requests from the host tier (`drop_loads`): a prefix copied back for a
+        request that waits locks its pages until that request starts, and the request ahead
+        of it in the queue, or a running one, must not wait for it (it would wait forever
+        when the queue's head needs those pages)."""
         short = num_pages - self.allocator.num_free
         if short <= 0:
             return True
         while short > self.tree.evictable_pages and self.pins.unpin_lru():
             pass
+        if short > self.tree.evictable_pages and drop_loads and self.tiers is not None:
+            self.tiers.drop_loads()
         if short > self.tree.evictable_pages:
             return False
         # Evicting scans the whole tree, and decode asks for a page or two at a time: take a

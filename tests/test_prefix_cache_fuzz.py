@@ -237,10 +237,34 @@ TestCacheFuzz = CacheMachine.TestCase
 TestCacheFuzzPage3 = CacheMachinePage3.TestCase
 TestHostTierFuzz = HostTierMachine.TestCase
 TestHostTierFuzzPage3 = HostTierMachinePage3.TestCase
+# The same examples every run (derandomize): a CI run must not fail on a newly drawn case. A
+# wider search runs the machines with more examples and random seeds, as the case below was
+# found.
 for _case in (TestCacheFuzz, TestCacheFuzzPage3, TestHostTierFuzz, TestHostTierFuzzPage3):
     _case.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
-                              database=None, suppress_health_check=[HealthCheck.too_slow])
+                              database=None, derandomize=True,
+                              suppress_health_check=[HealthCheck.too_slow])
 del _case
+
+
+def test_waiting_loads_give_way_to_the_head_of_the_queue():
+    """Found by the fuzz: requests waiting for their prefixes to come back from the host tier
+    held those device pages locked, the request ahead of them needed the pages, and nothing
+    ran again. The waiting requests' loads now give way (their pages stay cached)."""
+    m = HostTierMachine()
+    m.add(max_tokens=1, ns=("a", None, 0), prompt=[5, 5, 5, 5, 5, 5, 0], session=None)
+    m.add(max_tokens=1, ns=("a", "x", 2), prompt=[5, 5, 5, 5, 6, 6, 6, 6, 0], session=None)
+    m.drain()
+    m.add(max_tokens=1, ns=("a", None, 0), prompt=[0, 0], session=None)
+    m.drain()
+    m.add(max_tokens=2, ns=("a", "x", 1), prompt=[5, 5, 5, 5, 6, 6, 6, 6, 0, 0, 0, 0, 0, 0],
+          session=None)
+    m.add(max_tokens=1, ns=("a", None, 0), prompt=[5, 5, 5, 5, 5, 5, 0], session=None)
+    m.add(max_tokens=1, ns=("a", "x", 2), prompt=[5, 5, 5, 5, 5, 5, 0], session=None)
+    m.drain()  # raised "stuck" with three requests waiting
+    m.every_page_has_one_owner()
+    m.host_pages_have_one_owner_and_their_kv()
+    m.teardown()
 
 
 @settings(max_examples=200, deadline=None, database=None)
