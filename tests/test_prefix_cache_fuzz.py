@@ -267,7 +267,7 @@ def test_waiting_loads_give_way_to_the_head_of_the_queue():
     m.teardown()
 
 
-@settings(max_examples=200, deadline=None, database=None)
+@settings(max_examples=200, deadline=None, database=None, derandomize=True)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=30))
 def test_allocator_against_a_model(ops: list[tuple[bool, int]]) -> None:
     """Never hands out a held page; refuses to over-allocate, to free a page twice, and to

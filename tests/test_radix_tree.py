@@ -355,6 +355,7 @@ for _case in (TestTreeFuzz, TestTreeFuzzPage1, TestTreeFuzzPage3):
         stateful_step_count=40,
         deadline=None,
         database=None,
+        derandomize=True,  # the same cases every CI run (as tests/test_prefix_cache_fuzz.py)
         suppress_health_check=[HealthCheck.too_slow],
     )
 del _case
