@@ -149,33 +149,32 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of `inputs`' sampling rows (`input_ids`: the ids on the device, else
-        read from `inputs`): a CUDA graph's replay when one fits, else the eager forward."""
+        read from `inputs`): a CUDA graph's replay when one fits, else the piecewise graphs'
+        when they fit, else the eager forward."""
         if self.tp is not None and self.tp.rank == 0:  # the other ranks run it beside us
             self.tp.send(Forward(inputs, 0 if input_ids is None else len(input_ids)))
             if input_ids is not None:
                 self.tp.broadcast(input_ids)
         graph_ok = self.host_kv is None or self.host_kv.graph_ok()
         logits = self._graph_logits(inputs, input_ids) if graph_ok else None
-        if logits is None and graph_ok and self._piecewise_fits(inputs):
-            assert self.piecewise is not None
-            ids, positions, meta, sample_rows = self._prepare(inputs)
-            token_slots = None
+        if logits is not None:
+            return logits
+        ids, positions, meta, sample_rows = self._prepare(inputs)
+        if input_ids is not None:
+            ids = input_ids
+        pieces = self.piecewise
+        if graph_ok and pieces is not None and pieces.fits(len(inputs.input_ids)):
+            token_slots = None  # each token's adapter slot, when some token has one
             if any(s >= 0 for s in inputs.lora_slots):
                 token_slots = [slot for slot, n in zip(inputs.lora_slots, inputs.num_new_tokens,
                                                        strict=True) for _ in range(n)]
-            hidden = self.piecewise.run(ids if input_ids is None else input_ids, positions, meta,
-                                        token_slots)
-            logits = self.model.compute_logits(hidden[sample_rows])
-        if logits is None:
+            hidden = pieces.run(ids, positions, meta, token_slots)
+        else:
             kv = self.kv_caches if self.host_kv is None else self.host_kv.layers(self.kv_caches)
-            ids, positions, meta, sample_rows = self._prepare(inputs)
-            if input_ids is not None:
-                ids = input_ids
             if self.lora is not None:
                 self.lora.begin_step(inputs.lora_slots, inputs.num_new_tokens)
             hidden = self.model(ids, positions, kv, meta)
-            logits = self.model.compute_logits(hidden[sample_rows])
-        return logits
+        return self.model.compute_logits(hidden[sample_rows])
 
     @torch.inference_mode()
     def sample(
@@ -263,10 +262,6 @@ class ModelRunner:
         if not self.graphs.fits(num_seqs, max(inputs.context_lens)):
             return None
         return self.graphs.run(inputs, input_ids)
-
-    def _piecewise_fits(self, inputs: StepInputs) -> bool:
-        """May this step (one no whole-step graph fits) replay the piecewise graphs?"""
-        return self.piecewise is not None and self.piecewise.fits(len(inputs.input_ids))
 
     def _prepare(
         self, x: StepInputs
