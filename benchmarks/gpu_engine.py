@@ -57,8 +57,14 @@ def main() -> None:
     ap.add_argument("--qwen3-model", default="synthetic:qwen3-8b", help="the Qwen3 model of "
                     "qwen3_roofline_fraction_b64, loaded last, in the first one's place "
                     "('' skips it)")
+    ap.add_argument("--sections", nargs="+", default=None, help="run only these sections "
+                    "(e.g. speculative; the model is loaded in any case)")
     args = ap.parse_args()
     rec = Recorder(args.out, args.budget)
+
+    def want(name: str) -> bool:
+        return args.sections is None or name in args.sections
+
     most = max([*args.distinct, 8, args.big, 64])
     seqs = max([*args.batches, args.big])
 
@@ -82,39 +88,46 @@ def main() -> None:
         bw = s.result["copy_bw"]
         setup = s.result
 
-    with rec.section("adapters", 60) as s:
-        t = time.monotonic()
-        files = [args.adapter_dir / f"f{k}" for k in range(16)]
-        for k, f in enumerate(files):
-            write_adapter(f, cfg, RANK, seed=k, device="cuda")
-        # Each name is its own adapter with its own device slot; names share 16 weight files
-        # only to keep disk writes small.
-        with ThreadPoolExecutor(16) as pool:  # reads and checks release the GIL
-            list(pool.map(lambda k: llm.load_adapter(f"a{k}", files[k % 16]), range(most)))
-        s.result.update(adapters=most, files=len(files), seconds=round(time.monotonic() - t, 1))
+    if want("decode") or want("decode_big"):  # the sections that run adapters
+        with rec.section("adapters", 60) as s:
+            t = time.monotonic()
+            files = [args.adapter_dir / f"f{k}" for k in range(16)]
+            for k, f in enumerate(files):
+                write_adapter(f, cfg, RANK, seed=k, device="cuda")
+            # Each name is its own adapter with its own device slot; names share 16 weight
+            # files only to keep disk writes small.
+            with ThreadPoolExecutor(16) as pool:  # reads and checks release the GIL
+                list(pool.map(lambda k: llm.load_adapter(f"a{k}", files[k % 16]), range(most)))
+            s.result.update(adapters=most, files=len(files),
+                            seconds=round(time.monotonic() - t, 1))
 
     vocab = cfg.vocab_size
     prompts = random_prompts(seqs, PROMPT_LEN, seed=1, vocab=vocab)
     grid = [(b, 0) for b in args.batches] + [(b, 8) for b in args.batches if b == 64]
     grid += [(b, d) for d in args.distinct for b in args.batches if d <= b]
     grid.sort(key=lambda c: (c[0] != 64, c))  # the batch-64 ratios first
-    with rec.section("decode", 150) as s:
-        decode_grid(llm, s, grid, prompts, args.steps, setup)
-        derive(s, setup)
-        lora_vs_base(llm, s, prompts[:64], 2 * args.steps)
-    with rec.section("lora_kernel", 20) as s:
-        lora_kernel(s, cfg, bw)
-    with rec.section("constrained", 40) as s:
-        constrained(llm, s, prompts[:64], args.steps * 2)
-    with rec.section("session", 30) as s:
-        session_ttft(llm, s, vocab)
-    with rec.section("speculative", 40) as s:
-        speculative(llm, s, prompts, args.steps)
-    if args.big:
+    if want("decode"):
+        with rec.section("decode", 150) as s:
+            decode_grid(llm, s, grid, prompts, args.steps, setup)
+            derive(s, setup)
+            lora_vs_base(llm, s, prompts[:64], 2 * args.steps)
+    if want("lora_kernel"):
+        with rec.section("lora_kernel", 20) as s:
+            lora_kernel(s, cfg, bw)
+    if want("constrained"):
+        with rec.section("constrained", 40) as s:
+            constrained(llm, s, prompts[:64], args.steps * 2)
+    if want("session"):
+        with rec.section("session", 30) as s:
+            session_ttft(llm, s, vocab)
+    if want("speculative"):
+        with rec.section("speculative", 55) as s:
+            speculative(llm, s, prompts, args.steps)
+    if args.big and want("decode_big"):
         with rec.section("decode_big", 90) as s:
             decode_grid(llm, s, [(args.big, args.big), (args.big, 0)], prompts, args.steps,
                         setup, warm=False)
-    if args.qwen3_model:
+    if args.qwen3_model and want("qwen3"):
         del llm  # its weights and KV pool make room for the next model's
         gc.collect()
         torch.cuda.empty_cache()
@@ -253,8 +266,9 @@ def lora_kernel(s: Section, cfg, bw: float, batch: int = 64) -> None:
 
 
 class RepeatLast:
-    """A drafter that always proposes k drafts (the last token again): every decode step then
-    verifies k + 1 positions, whatever is accepted, which is the cost measured."""
+    """A host drafter that always proposes k drafts (the last token again), for the
+    synchronous speculative step (it has no `propose_on_device`, so it never loops): every
+    decode then verifies k + 1 positions, whatever is accepted, which is the cost measured."""
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         return [tokens[-1]] * k
@@ -262,34 +276,40 @@ class RepeatLast:
 
 def speculative(llm: LLM, s: Section, prompts, steps: int, k: int = 4) -> None:
     """The step time of verifying k drafts per decode ÷ a plain decode step (CUDA graph) at
-    batch 1 and 16, and batch-64 decode throughput with speculation enabled ÷ without (it stays
-    off there: more than `MAX_BATCH` decodes). Two interleaved rounds each, best of each."""
+    batch 1 and 16, in the overlapped speculative loop (prompt lookup on the device, every step
+    verifying k drafts per sequence whatever it found); the synchronous speculative step
+    beside it for reference; and batch-64 decode throughput with speculation enabled ÷ without
+    (it stays off there: more than `MAX_BATCH` decodes). Two interleaved rounds each, best of
+    each."""
     eng = llm.engine
     for b in (1, 16, 64):
-        runs: dict[str, list] = {"off": [], "on": []}
+        kinds = ("off", "on", "sync") if b < 64 else ("off", "on")
+        runs: dict[str, list] = {kind: [] for kind in kinds}
         drafted = 0  # sequence-steps that carried drafts, in the "on" rounds
         for _ in range(2):
             for kind in runs:
                 # Random weights reject the drafts: without min_acceptance=0 a request would
                 # stop drafting after its first PROBATION drafts, and the steps timed would be
                 # plain ones.
-                spec = Speculator(k, RepeatLast(), min_acceptance=0.0) if kind == "on" else None
+                spec = None if kind == "off" else Speculator(
+                    k, RepeatLast() if kind == "sync" else None, min_acceptance=0.0)
                 eng.speculator = spec
                 try:
                     runs[kind].append(decode_round(llm, prompts[:b], lambda i, n: greedy(n),
                                                    steps))
                 finally:
                     eng.speculator = None
-                drafted += spec.stats.forwards if spec else 0
-        off, on = (min(r.step_s for r in runs[kind]) for kind in ("off", "on"))
-        s.result[f"step_ms_b{b}"] = {"plain": round(off * 1e3, 2), "spec": round(on * 1e3, 2),
-                                     # of the on rounds' sequence-steps past prefill
-                                     "drafted_fraction": round(drafted / (2 * b * (steps + 2)),
-                                                               3)}
+                drafted += spec.stats.forwards if spec and kind == "on" else 0
+        best = {kind: min(r.step_s for r in runs[kind]) for kind in kinds}
+        off, on = best["off"], best["on"]
+        s.result[f"step_ms_b{b}"] = {kind: round(t * 1e3, 2) for kind, t in best.items()}
+        # of the on rounds' sequence-steps past prefill
+        s.result[f"step_ms_b{b}"]["drafted_fraction"] = round(drafted / (2 * b * (steps + 2)), 3)
         if b == 64:
             s.result["spec_on_vs_off_b64"] = round(off / on, 3)
         else:
             s.result[f"spec_verify_cost_b{b}"] = round(on / off, 3)
+            s.result[f"spec_sync_verify_cost_b{b}"] = round(best["sync"] / off, 3)
 
 
 def constrained(llm: LLM, s: Section, prompts, steps: int) -> None:

@@ -120,6 +120,41 @@ def sweep_prefill(quick: bool) -> dict:
     return results
 
 
+def sweep_verify(copy_bw: float, quick: bool) -> dict:
+    """A speculative step's attention: 1 + 4 queries per sequence on its cached context (the
+    prefill kernel), against one decode query per sequence on the same context."""
+    results = {}
+    configs = list(itertools.product([32, 64], [32, 64], [4], [2, 3], [2, 4, 8]))
+    if quick:
+        configs = [pa.PREFILL_CONFIG]
+    for batch, ctx in itertools.product((1, 4, 16), (1024, 4096)):
+        n = 5
+        k, v, tables, lens = paged_inputs([ctx] * batch)
+        q = torch.randn(batch * n, H, D, device="cuda", dtype=BF16)
+        out = torch.empty_like(q)
+        starts = torch.arange(0, (batch + 1) * n, n, device="cuda", dtype=torch.int32)
+        times = {}
+        for cfg in configs:
+            try:
+                times[cfg] = bench(partial(pa.paged_prefill_triton, q, k, v, tables, starts, lens,
+                                           n, PAGE, D**-0.5, out, config=cfg))
+            except OutOfResources:
+                continue
+        best = min(times, key=times.get)
+        dq = q[:batch].contiguous()
+        decode = bench_decode(dq, k, v, tables, lens, torch.empty_like(dq), None)
+        default = bench(partial(pa.paged_prefill_triton, q, k, v, tables, starts, lens, n, PAGE,
+                                D**-0.5, out))
+        nbytes = 2 * batch * ctx * KVH * D * 2
+        results[f"{batch}x{ctx}"] = dict(
+            best=best, us=times[best] * 1e6, default_us=default * 1e6, decode_us=decode * 1e6,
+            bw_fraction=nbytes / times[best] / copy_bw)
+        print(f"verify b={batch:3d} ctx={ctx:5d}  best {best}  {times[best] * 1e6:7.1f} us  "
+              f"default {default * 1e6:7.1f} us  decode {decode * 1e6:7.1f} us  "
+              f"{nbytes / times[best] / copy_bw:.2f} of copy", flush=True)
+    return results
+
+
 def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
     """Batch 64, one distinct adapter per token (64 slots): each projection's shrink and expand
     timed as the decode graphs run them, a CUDA graph of 8 layers (each its own weights, so
@@ -360,6 +395,7 @@ def main() -> None:
     report["bgmv"] = sweep_bgmv(bw, "bgmv" not in args.sweep)
     report["seg"] = sweep_seg(bw, "seg" not in args.sweep)
     report["prefill"] = sweep_prefill("prefill" not in args.sweep)
+    report["verify"] = sweep_verify(bw, "verify" not in args.sweep)
     report["step"] = step_profile(bw, args.unfused)
     if args.out:
         with open(args.out, "w") as f:

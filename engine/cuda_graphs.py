@@ -15,6 +15,7 @@ grid reads faster). Graphs are keyed `(size, LoRA kernel or None)`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -428,9 +429,53 @@ class VerifyGraphs(_GraphSet):
         graph.replay()
         return logits[: len(inputs.sample_rows)]
 
+    def run_fed(self, fed: VerifyFed) -> torch.Tensor:
+        """Replay for a step built on the device (`VerifyFed`) of 1..max sequences, each of
+        exactly `queries` tokens. Returns the fp32 logits [sequences * queries, vocab] (a view,
+        valid until the next replay)."""
+        s, q = len(fed.lora_slots), self.queries
+        b = next(size for size in self.sizes if size >= s)
+        real, t = s * q, b * q
+        h = self._stage()
+        # Padding sequences, as `verify_layout` lays them out; the real ones come from `fed`.
+        h["input_ids"][real:t] = 0
+        h["positions"][real:t] = np.tile(np.arange(q), b - s)
+        h["slot_mapping"][real:t] = self.pad_slot
+        h["sample_rows"][:t] = np.arange(t)
+        h["lens"][s:b] = q
+        h["tables"][:b] = self.pad_page
+        kernel = None
+        if self.lora is not None and any(slot >= 0 for slot in fed.lora_slots):
+            kernel = "segmented"
+            slots = [slot for slot in fed.lora_slots for _ in range(q)] + [-1] * (b - s) * q
+            _stage_segments(h, slots, self.segment_capacity(b))
+        self._send("tables", b)
+        d = self.inputs.dev  # after the copy up, in stream order
+        d["input_ids"][:real].copy_(fed.input_ids)
+        d["positions"][:real].copy_(fed.positions)
+        d["slot_mapping"][:real].copy_(fed.slot_mapping)
+        d["lens"][:s].copy_(fed.lens)
+        d["tables"][:s, : fed.tables.shape[1]].copy_(fed.tables)
+        graph, logits = self.graphs[(b, kernel)]
+        graph.replay()
+        return logits[:real]
+
     def _forward(self, b: int) -> torch.Tensor:
         return verify_forward(self.model, self.kv_caches, self.inputs.dev, b, self.queries,
                               self.page_size, self.query_start[b])
+
+
+@dataclass
+class VerifyFed:
+    """A verify step whose inputs were built on the device (the overlapped speculative loop,
+    engine/spec_loop.py): S sequences of q tokens each, all sampled."""
+
+    input_ids: torch.Tensor  # (S * q,) int64
+    positions: torch.Tensor  # (S * q,) int64
+    slot_mapping: torch.Tensor  # (S * q,) int64
+    lens: torch.Tensor  # (S,) int32: each sequence's context once the step ran
+    tables: torch.Tensor  # (S, width) int32: each sequence's pages, padded
+    lora_slots: list[int]  # each sequence's adapter slot (-1: the base model)
 
 
 def verify_layout(

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
+from typing import cast
 
 import torch
 
@@ -34,7 +35,8 @@ from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Batch, ScheduledSeq, Scheduler
-from engine.speculative import CPU_MAX_BATCH, MAX_BATCH, Speculator
+from engine.spec_loop import DraftLoop, LoopStep
+from engine.speculative import CPU_MAX_BATCH, MAX_BATCH, DeviceDrafter, Speculator
 from engine.structured import GrammarStage
 from engine.workers import Workers
 from lora.layers import wrap_model
@@ -132,6 +134,10 @@ class LLMEngine:
         )
         self._requests: dict[str, Request] = {}
         self._ahead: Step | None = None  # the overlapped decode step in flight
+        # The overlapped speculative loop (engine/spec_loop.py): its sequences on the device,
+        # and its step in flight.
+        self._loop: DraftLoop | None = None
+        self._loop_ahead: LoopStep | None = None
         # Per kind of step: how many ran and their wall seconds (`step`'s, device waits
         # included), for /metrics: an overlapped step costs the device's time, a synchronous
         # one the device's plus the host's.
@@ -259,6 +265,9 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         failed = [self._fail(req, why) for req, why in self._not_startable()]
+        if self._loop_ahead is not None:
+            self._kind = "speculative"
+            return failed + self._loop_step(self._loop_ahead)
         if self._ahead is not None:
             self._kind = "overlapped"
             return failed + self._overlap_step(self._ahead)
@@ -268,6 +277,9 @@ class LLMEngine:
             if not failed:
                 self._wait_for_background(0.05)
             return failed
+        if self._loops(batch):
+            self._kind = "speculative"
+            return failed + self._start_loop(batch)
         if self.speculator is not None and self.speculator.attach(
             batch, self._tokens_left, self.scheduler.add_draft,
             self.scheduler.max_num_batched_tokens, self.grammar,
@@ -337,17 +349,113 @@ class LLMEngine:
             outputs.append(self._advance_drafted(seq_of[req], results))
         return outputs
 
-    def _advance_drafted(self, seq: ScheduledSeq, results: list[SampleResult]) -> RequestOutput:
+    # -- the overlapped speculative loop (engine/spec_loop.py) ---------------------------
+
+    def _loops(self, batch: Batch) -> bool:
+        """Does this batch start the overlapped speculative loop? Decodes only (overlapped
+        steps, on one device), few enough to speculate, each free to loop, one still
+        drafting."""
+        spec = self.speculator
+        if spec is None or not self.overlap or self.workers is not None or not hasattr(
+                spec.drafter, "propose_on_device"):
+            return False
+        reqs = [s.request for s in batch.seqs]
+        return (all(s.num_new_tokens == 1 and s.samples for s in batch.seqs)
+                and spec.wants(len(reqs)) and all(map(spec.loops, reqs))
+                and any(map(spec.may_draft, reqs)))
+
+    def _start_loop(self, batch: Batch) -> list[RequestOutput]:
+        assert self.speculator is not None
+        # One run per adapter slot (SGMV segments), as `ModelRunner._layout` orders decodes.
+        reqs = sorted((s.request for s in batch.seqs), key=lambda r: r.lora_slot)
+        drafter = cast(DeviceDrafter, self.speculator.drafter)
+        self._loop = DraftLoop(reqs, self.speculator.k, drafter, self.runner.device)
+        first = self._loop_launch(reqs, in_flight=False)
+        if first is None:  # no room to draft: the batch decodes as scheduled
+            self._loop, self._kind = None, "synchronous"
+            return self.postprocess(batch, self.runner.run(batch))
+        return self._loop_step(first)
+
+    def _loop_step(self, prev: LoopStep) -> list[RequestOutput]:
+        """One step of the loop: queue the next step of `prev`'s requests still running, then
+        read `prev`'s draws and advance its requests while the device computes. The loop ends
+        (nothing queued; the regular schedule decides next) when no request is left, a waiting
+        one could start, none still drafts, or one has no room."""
+        self._loop_ahead = None  # until the next step is queued
+        reqs = [r for r in prev.reqs if not r.finished]
+        nxt = self._loop_launch(reqs, in_flight=True) if self._loop_goes_on(reqs) else None
+        outputs = self._loop_collect(prev)
+        self._loop_ahead = nxt
+        if nxt is None:
+            self._loop = None
+        return outputs
+
+    def _loop_goes_on(self, reqs: list[Request]) -> bool:
+        if self.speculator is None:  # turned off (tests and benchmarks swap it)
+            return False
+        sched = self.scheduler
+        if len(sched.running) < sched.max_num_seqs and any(
+                map(sched.is_ready, sched.waiting)):
+            return False  # the regular schedule admits it
+        return any(map(self.speculator.may_draft, reqs))
+
+    def _loop_launch(self, reqs: list[Request], in_flight: bool) -> LoopStep | None:
+        """Reserve what the step's positions may reach and queue it; None when a request has
+        no room (pages, its row on the device, its page table)."""
+        loop = self._loop
+        assert loop is not None and self.speculator is not None
+        q = self.speculator.k + 1
+        # The device may be 1 + k tokens past the host (`in_flight`); the step computes the
+        # last token and k drafts after it.
+        extra = 2 * q - 1 if in_flight else q - 1
+        for req in reqs:
+            need = req.num_tokens + extra
+            if need > self.runner.max_context or not loop.room(req, in_flight):
+                return None
+            if not self.scheduler.reserve(req, need):
+                return None
+        return loop.launch(self.runner, reqs)
+
+    def _loop_collect(self, step: LoopStep) -> list[RequestOutput]:
+        """Read the step's draws and drafts; advance each request still running by its
+        accepted drafts and the token after them, through the stop checks."""
+        q = len(step.step.rows) // max(len(step.reqs), 1)
+        results = self.runner.collect(step.step)
+        drafts = step.drafts.tolist()
+        outputs = []
+        for i, req in enumerate(step.reqs):
+            if req.finished:  # ended while the step was in flight
+                continue
+            row = [r for _, r in results[i * q : (i + 1) * q]]
+            error = next((r.error for r in row if r.error is not None), None)
+            if error is not None:  # its row on the device went on with a wrong token
+                outputs.append(self._fail(req, error))
+                continue
+            seq = ScheduledSeq(req, req.num_tokens - 1, q)
+            *seq.draft, looked = drafts[i]
+            appended = 1 + sum(1 for _ in itertools.takewhile(
+                lambda pair: pair[0] == pair[1].token_id, zip(seq.draft, row[:-1], strict=True)))
+            before = req.num_tokens
+            outputs.append(self._advance_drafted(seq, row, looked))
+            if not req.finished and req.num_tokens - before != appended:
+                # The device appended what was accepted: the host must have too.
+                outputs.append(self._fail(req, "internal error: the speculative loop's "
+                                          "tokens diverged from the host's"))
+        return outputs
+
+    def _advance_drafted(self, seq: ScheduledSeq, results: list[SampleResult],
+                         looked: int | None = None) -> RequestOutput:
         """Append a drafted decode's drawn tokens up to the first that differs from its draft
         (or a row that could not be sampled), each through the stop checks. `results`: the
-        draws from its last forced draft on (`ScheduledSeq.num_drawn`)."""
+        draws from its last forced draft on (`ScheduledSeq.num_drawn`); `looked`: as for
+        `Speculator.accepted`."""
         req = seq.request
         results = [SampleResult(t) for t in seq.draft[: seq.num_forced]] + results
         good = list(itertools.takewhile(lambda r: r.error is None, results))
         if not good:
             return self._fail(req, results[0].error or "")
         assert self.speculator is not None, "only a speculating engine drafts"
-        accepted = self.speculator.accepted(seq, [r.token_id for r in good])
+        accepted = self.speculator.accepted(seq, [r.token_id for r in good], looked)
         new, lps = [], []
         try:
             for i, r in enumerate(good[: accepted + 1]):

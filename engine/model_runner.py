@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cuda_graphs import EXTEND_ROWS, DecodeGraphs, ExtendGraphs, VerifyGraphs
+from engine.cuda_graphs import (
+    EXTEND_ROWS,
+    DecodeGraphs,
+    ExtendGraphs,
+    VerifyFed,
+    VerifyGraphs,
+    verify_forward,
+)
 from engine.kv_host import HostKVPool
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import Forward, TPGroup
@@ -90,8 +97,9 @@ class ModelRunner:
         self.extend_graphs: ExtendGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        max_pages = min(-(-(max_model_len or num_pages * page_size) // page_size), num_pages)
+        self.max_context = max_pages * page_size  # positions a sequence's page table covers
         if cuda_graph_max_batch > 0 and self.device.type == "cuda":
-            max_pages = min(-(-(max_model_len or num_pages * page_size) // page_size), num_pages)
             self.graphs = DecodeGraphs(
                 model, layers, page_size, self.pad_page, cuda_graph_max_batch,
                 max_pages, lora,
@@ -177,16 +185,37 @@ class ModelRunner:
         return self.model.compute_logits(hidden[sample_rows])
 
     @torch.inference_mode()
+    def verify(self, fed: VerifyFed) -> torch.Tensor:
+        """The fp32 logits [S * q, vocab] of every position of a verify step built on the
+        device (the overlapped speculative loop): a verify graph's replay when one fits, else
+        the eager forward of the same layout."""
+        s, q = len(fed.lora_slots), len(fed.input_ids) // len(fed.lora_slots)
+        graphs = self.verify_graphs
+        if graphs is not None and s <= graphs.sizes[-1] and (
+                self.host_kv is None or self.host_kv.graph_ok()):
+            return graphs.run_fed(fed)
+        kv = self.kv_caches if self.host_kv is None else self.host_kv.layers(self.kv_caches)
+        if self.lora is not None:
+            self.lora.begin_step(fed.lora_slots, [q] * s)
+        d = {"input_ids": fed.input_ids, "positions": fed.positions,
+             "slot_mapping": fed.slot_mapping, "lens": fed.lens, "tables": fed.tables,
+             "sample_rows": torch.arange(s * q, device=self.device)}
+        starts = torch.arange(0, (s + 1) * q, q, dtype=torch.int32, device=self.device)
+        return verify_forward(self.model, kv, d, s, q, self.page_size, starts)
+
+    @torch.inference_mode()
     def sample(
         self,
         step: Step,
         reqs: list[Request],
         masks: Future | None = None,
         offsets: list[int] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> None:
         """Queue the draw of `reqs`, the step's sampling rows still wanted (in row order), after
         their grammar masks (`masks`: filled already; None fills them now). `offsets`: the
-        rows' positions past their request's last token (`Sampler.launch`)."""
+        rows' positions past their request's last token; `positions`: their indices in their
+        request's output, on the device, when the host does not know them (`Sampler.launch`)."""
         logits = step.logits
         if reqs != step.rows:
             wanted = set(reqs)
@@ -199,7 +228,8 @@ class ModelRunner:
         # The sampler computes on finite numbers only; the rows that had others are dropped.
         logits.nan_to_num_(0.0, 0.0, 0.0)
         step.grammar_errors = GrammarStage.apply(logits, masks)
-        step.drawn = self.sampler.launch(logits, reqs, ok=finite, offsets=offsets)
+        step.drawn = self.sampler.launch(logits, reqs, ok=finite, offsets=offsets,
+                                         positions=positions)
 
     def collect(self, step: Step) -> list[tuple[Request, SampleResult]]:
         """Wait for the step's drawn tokens (its one sync): (request, sample) per drawn row."""

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.counter_rng import hash32
 from engine.messages import TokenLogprob
 from engine.race import Race
 from engine.request import Request
@@ -83,6 +84,7 @@ class Sampler:
         reqs: list[Request],
         ok: torch.Tensor | None = None,
         offsets: list[int] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> Drawn:
         """Queue the draw of every row; nothing waits for the device.
 
@@ -90,11 +92,16 @@ class Sampler:
         requests, row order. ok: [N] bool on the logits' device, or None for all; a row not ok
         comes back with token_id -1 (its request fails). offsets: per row, how far past its
         request's last token the row's position is (a request may have several rows: the
-        positions of a speculative step; None: one row each). The tokens (with `ok` folded in)
-        start back to the host at once, into pinned memory: `collect` waits for that copy
-        only, the step's one sync.
+        positions of a speculative step; None: one row each). positions: [N] int64 on the
+        logits' device, each row's index in its request's output, when only the device knows
+        it (the overlapped speculative loop: engine/spec_loop.py); it keys the noise instead
+        of the host's count and `offsets`. The tokens (with `ok` folded in) start back to the
+        host at once, into pinned memory: `collect` waits for that copy only, the step's one
+        sync.
         """
-        rows, on = self._prepare(logits, reqs, offsets)
+        rows, on = self._prepare(logits, reqs, offsets, positions is not None)
+        if positions is not None and "seed_keys" in on:
+            on["ints"][1] = hash32(on["seed_keys"] ^ hash32(positions))
         tokens = self._draw(logits, rows, on)
         logprobs = None
         if rows.logprob_rows:
@@ -150,10 +157,11 @@ class Sampler:
         return st
 
     def _prepare(
-        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None = None
+        self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None = None,
+        keys_on_device: bool = False,
     ) -> tuple[StepRows, dict[str, torch.Tensor]]:
         """The step's parameters, sent in one copy, and bias, penalties and bans applied."""
-        rows = StepRows(reqs, logits.shape[1], self._state, offsets)
+        rows = StepRows(reqs, logits.shape[1], self._state, offsets, keys_on_device)
         on = upload_arrays(rows.arrays, logits.device)
         _adjust(logits, on)
         return rows, on

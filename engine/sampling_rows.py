@@ -84,9 +84,13 @@ class StepRows:
         vocab: int,
         state: Callable[[Request, int], RowState],
         offsets: Sequence[int] | None = None,
+        keys_on_device: bool = False,
     ):
         """`offsets`: per row, how many tokens past the request's last known one its draw is
-        (a speculative step draws several positions of one request; None: all 0)."""
+        (a speculative step draws several positions of one request; None: all 0).
+        `keys_on_device`: the rows' positions are known on the device only; `seed_keys` (N,)
+        goes up, and the sampler makes the noise keys there (`Sampler.launch`)."""
+        self.keys_on_device = keys_on_device
         self.offsets = np.zeros(len(reqs), np.int64) if offsets is None else np.asarray(
             offsets, np.int64)
         states = [state(r, vocab) for r in reqs]
@@ -122,6 +126,8 @@ class StepRows:
         keys = hash32(np.array([st.seed_key for st in states]) ^ hash32(positions))
         self.arrays["floats"] = np.stack([temperature, top_p, min_p]).astype(np.float32)
         self.arrays["ints"] = np.stack([top_k.astype(np.int64), keys])
+        if self.keys_on_device:
+            self.arrays["seed_keys"] = np.array([st.seed_key for st in states], np.int64)
         if self.any_greedy:
             self.arrays["greedy"] = greedy
 

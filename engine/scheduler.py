@@ -239,6 +239,10 @@ class Scheduler:
         seq.num_new_tokens = 1 + len(draft)
         return True
 
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Pages for `num_tokens` of running `req`, if they can be had without preempting."""
+        return self._reserve(req, num_tokens)
+
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         need = self.pages_for(num_tokens) - len(req.pages)
         if need <= 0:

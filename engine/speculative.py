@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from engine.request import Request
 from engine.scheduler import Batch, ScheduledSeq
 
@@ -45,6 +47,18 @@ PROBATION = 16  # ... once this many of its draft tokens have been verified
 class Drafter(Protocol):
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` tokens likely to follow `tokens` (the prompt and output so far)."""
+        ...
+
+
+class DeviceDrafter(Drafter, Protocol):
+    """A drafter the overlapped speculative loop can run (engine/spec_loop.py): it proposes on
+    the device, from tokens the host has not seen yet."""
+
+    def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor,
+                          k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exactly `k` drafts per row of `tokens` (S, W) int64, whose first `lengths` (S,)
+        entries are each sequence (the rest is unread): (S, k) int64, and (S,) how many of
+        them lead that `propose` would give (the rest fill a step's fixed shape)."""
         ...
 
 
@@ -88,6 +102,44 @@ class PromptLookup:
         if best_len < self.min_ngram:
             return []
         return tokens[best + 1 : best + 1 + k]
+
+    def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor,
+                          k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`propose` for every row at once, in a fixed number of kernels: each earlier position
+        of the window scores its match length, the longest and latest wins. A verify step
+        computes k positions whatever they hold, so a row always gets k drafts: where `propose`
+        would give fewer (no match of `min_ngram`, or the match's continuation reaches the end)
+        the best shorter match fills in, then the last token repeated."""
+        rows, width = tokens.shape
+        device = tokens.device
+        end = (lengths - 1).unsqueeze(1)  # (S, 1): the last token
+        span = min(self.window, width) - 1  # candidate ends: end - span .. end - 1
+        at = end - span + torch.arange(span, device=device)  # (S, span)
+        lo = (end - span).clamp(min=0).unsqueeze(2)
+        # Token j back from each candidate end against token j back from the last one; a match
+        # runs while they agree, inside the window: its length n (all j at once, few kernels).
+        back = at.unsqueeze(2) - torch.arange(self.max_ngram, device=device)  # (S, span, J)
+        earlier = tokens.gather(1, back.clamp(min=0).flatten(1)).view(back.shape)
+        suffix = tokens.gather(1, (back[:, -1, :] + 1).clamp(min=0))  # (S, J): end - j
+        agree = (earlier == suffix.unsqueeze(1)) & (back >= lo)
+        n = leading_true(agree)  # (S, span)
+        # longer wins, then later: n in the high digits, the candidate's place in the low ones
+        score = n * span + torch.arange(span, device=device)
+        best = score.argmax(dim=1, keepdim=True)
+        best_len = n.gather(1, best)
+        start = torch.where(best_len > 0, at.gather(1, best), end - 1) + 1
+        follow = (start + torch.arange(k, device=tokens.device)).minimum(end)
+        # `propose` gives the match's continuation up to the end, when the match is long enough
+        looked = torch.where(best_len >= self.min_ngram, (end + 1 - start).clamp(max=k), 0)
+        return tokens.gather(1, follow), looked.squeeze(1)
+
+
+def leading_true(x: torch.Tensor) -> torch.Tensor:
+    """How many entries lead each row of bool `x` (its last dim) before the first False: the
+    first False's index, a False appended. (torch's cumprod over a short last dim is a slow
+    scan on CUDA: a quarter of a millisecond for a batch of lookups.)"""
+    ended = torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1).logical_not_()
+    return ended.to(torch.uint8).argmax(dim=-1)
 
 
 @dataclass
@@ -154,14 +206,17 @@ class Speculator:
                 any_draft = True
         return any_draft
 
-    def accepted(self, seq: ScheduledSeq, drawn: list[int]) -> int:
+    def accepted(self, seq: ScheduledSeq, drawn: list[int], looked: int | None = None) -> int:
         """How many of `seq`'s drafts are accepted given the tokens `drawn` at its positions
-        (`drawn` may stop short): the forced ones, then the looked-up ones equal to their
-        position's token; recorded."""
+        (`drawn` may stop short): the forced ones, then the others equal to their position's
+        token; recorded. `looked`: how many drafts after the forced ones were looked up (by
+        default all; a device drafter's fillers after them are accepted alike, not recorded)."""
         n = min(seq.num_forced, len(drawn))
         while n < min(len(seq.draft), len(drawn)) and seq.draft[n] == drawn[n]:
             n += 1
-        looked, hits = len(seq.draft) - seq.num_forced, max(n - seq.num_forced, 0)
+        if looked is None:
+            looked = len(seq.draft) - seq.num_forced
+        hits = min(max(n - seq.num_forced, 0), looked)
         rid = seq.request.request_id
         drafted, accepted = self._record.get(rid, (0, 0))
         self._record[rid] = drafted + looked, accepted + hits
@@ -191,6 +246,15 @@ class Speculator:
         overlapped loop goes on (its steps would not speculate)."""
         forced = req.matcher is not None and req.params.logprobs is None
         return self.drafts(req) and (forced or self._looks_up(req))
+
+    def loops(self, req: Request) -> bool:
+        """Whether `req` may decode in the overlapped speculative loop (engine/spec_loop.py),
+        whose drafts and accepted tokens stay on the device until the step after: it drafts,
+        and nothing of its sampling depends on its tokens being on the host (a grammar's masks
+        and forced tokens; `min_tokens` bans, which count its outputs)."""
+        p = req.params
+        return (self.drafts(req) and p.constraint is None
+                and req.num_output_tokens >= p.min_tokens)
 
     def _looks_up(self, req: Request) -> bool:
         drafted, accepted = self._record.get(req.request_id, (0, 0))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from functools import partial
 
 import pytest
 import torch
@@ -82,11 +83,12 @@ def check_decode(ctx_lens, heads, kv_heads, dim, page_size, dtype, device):
     assert relative_error(got, ref) < TOLERANCE[dtype]
 
 
-def check_prefill(ctx_lens, q_lens, heads, kv_heads, dim, page_size, dtype, device):
+def check_prefill(ctx_lens, q_lens, heads, kv_heads, dim, page_size, dtype, device,
+                  config=None):
     seed = zlib.crc32(f"{ctx_lens}{q_lens}{heads}{kv_heads}{dim}{page_size}{dtype}".encode())
     p = Paged(ctx_lens, heads, kv_heads, dim, page_size, dtype, device, seed)
     q = p.queries(sum(q_lens), dtype, device)
-    got = run_prefill(pa.paged_prefill_triton, p, q, q_lens)
+    got = run_prefill(partial(pa.paged_prefill_triton, config=config), p, q, q_lens)
     ref = run_prefill(pa.paged_prefill_torch, *upcast(p, q), q_lens)
     assert not got.isnan().any(), "unwritten output"
     assert relative_error(got, ref) < TOLERANCE[dtype]
@@ -115,13 +117,16 @@ def test_prefill_tiny(dtype, kv_heads):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (6, 2)])
-def test_extend_split_tiny(dtype, heads, kv_heads):
+@pytest.mark.parametrize("config", [None, pa.PREFILL_CONFIG], ids=["verify", "prefill"])
+def test_extend_split_tiny(dtype, heads, kv_heads, config):
     # Short chunks on long contexts: few programs, so the context is split over programs and
     # merged; the last chunk's 3 queries see different numbers of keys in the last split.
-    assert pa.num_splits(2 * kv_heads, pa.PREFILL_CONFIG[4], torch.device(DEVICE)) > 1
+    # Such chunks take `VERIFY_CONFIG` (by default) or any other tile.
+    for cfg in (pa.VERIFY_CONFIG, pa.PREFILL_CONFIG):
+        assert pa.num_splits(2 * kv_heads, cfg[4], torch.device(DEVICE)) > 1
     ctx_lens, q_lens = [150, 37], [3, 1]
     check_prefill(ctx_lens, q_lens, heads, kv_heads, dim=16, page_size=4, dtype=dtype,
-                  device=DEVICE)
+                  device=DEVICE, config=config)
 
 
 def test_references_match_token_loop():

@@ -199,3 +199,38 @@ def test_verify_graphs_match_cpu(tiny):
         outs[device] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["cuda"] == outs["cpu"]
     assert replays and max(replays) == len(prompts), replays
+
+
+def test_speculative_loop_matches_cpu(tiny):
+    """The overlapped speculative loop (engine/spec_loop.py) on CUDA: drafts looked up on the
+    device, its steps replaying the verify graphs over inputs built on the device
+    (`VerifyGraphs.run_fed`), two adapters and the base model, sequences leaving as they end.
+    Every step verifies (min_acceptance 0). The tokens equal the CPU engine's loop, which runs
+    the same steps eagerly, and plain decoding's."""
+    from engine import LLM, SamplingParams
+    from engine.speculative import Speculator
+
+    base, adapters = tiny
+    requests = [None, "all8", None, "qv4", "all8"]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [(torch.randint(0, VOCAB, (n,), generator=gen).tolist() * 3)[: 3 * n]
+               for n in (4, 9, 15, 6, 20)]  # repeats: the lookup finds matches
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, adapter=a)
+              for a, m in zip(requests, (14, 9, 20, 12, 16), strict=True)]
+    outs, fed = {}, []
+    for device in ("cpu", "cuda"):
+        llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device,
+                  num_speculative_tokens=4)
+        for name, path in adapters.items():
+            llm.load_adapter(name, path)
+        eng = llm.engine
+        outs[f"{device} plain"] = [o.token_ids for o in llm.generate(prompts, params)]
+        eng.speculator, eng.overlap = Speculator(4, min_acceptance=0.0), True
+        if device == "cuda":
+            graphs = eng.runner.verify_graphs
+            graphs.run_fed = lambda f, run=graphs.run_fed: fed.append(len(f.lora_slots)) or \
+                run(f)
+        outs[device] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert eng.speculator.stats.forwards >= 2 * len(prompts)
+    assert outs["cuda"] == outs["cpu"] == outs["cpu plain"] == outs["cuda plain"]
+    assert fed and max(fed) == len(prompts) and min(fed) < len(prompts), fed

@@ -67,10 +67,10 @@ class RecordingSampler:
     def __init__(self, sampler) -> None:
         self.sampler, self.logits = sampler, {}
 
-    def launch(self, logits, reqs, ok=None, offsets=None):
+    def launch(self, logits, reqs, ok=None, offsets=None, positions=None):
         for row, req in zip(logits, reqs, strict=True):
             self.logits[(req.request_id, req.num_tokens - 1)] = row.clone()
-        return self.sampler.launch(logits, reqs, ok, offsets)
+        return self.sampler.launch(logits, reqs, ok, offsets, positions)
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)
@@ -235,3 +235,31 @@ def test_manager_pins_slots_and_loads_in_background(tiny):
     assert m.can_admit(rb) and m.slot_of(rb) == 0 and m.slot_of(ra) == -1
     assert m.stats.evictions["device"] == 1 and m.num_resident == {"device": 1, "host": 1}
     assert m.get("other-tenant", "a") is None and m.list("other-tenant") == []
+
+
+def test_speculative_loop_with_adapters(tiny):
+    """The overlapped speculative loop (engine/spec_loop.py) verifies the drafts of base and
+    adapter rows in one forward, each sequence a segment of 1 + k tokens: the greedy tokens of
+    plain decoding. Every step verifies (min_acceptance 0), whatever the lookup found."""
+    from engine.speculative import Speculator
+
+    base, paths, _ = tiny
+    llm = LLM(model=str(base), max_loras=4, max_lora_rank=16, num_pages=128, page_size=4)
+    for name, path in paths.items():
+        llm.load_adapter(name, path)
+    requests = [None, "all8", "qv4", None, "mlp16", "all8"]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [(torch.randint(0, 320, (n,), generator=gen).tolist() * 3)[: 3 * n]
+               for n in (3, 6, 10, 4, 8, 5)]  # repeats: the lookup finds matches
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, adapter=a)
+              for a in requests]
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    eng = llm.engine
+    eng.speculator, eng.overlap = Speculator(3, max_batch=8, min_acceptance=0.0), True
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = eng.speculator.stats
+    finally:
+        eng.speculator, eng.overlap = None, False
+    assert got == plain
+    assert stats.forwards >= 2 * len(prompts)
