@@ -29,7 +29,8 @@ from engine.cuda_graphs import VerifyFed
 from engine.model_runner import ModelRunner, Step
 from engine.request import Request
 from engine.scheduler import Batch
-from engine.speculative import DeviceDrafter, leading_true
+from engine.speculative import DeviceDrafter
+from kernels.spec_decode import accept, verify_inputs
 from kernels.upload import upload
 
 HEADROOM = 1024  # tokens a sequence may grow by before the loop must start over, wider
@@ -79,32 +80,20 @@ class DraftLoop:
             self.tokens, self.lengths, self.prompt_lens = (
                 t.index_select(0, rows) for t in (self.tokens, self.lengths, self.prompt_lens))
             self.reqs = reqs
-        s, k, q = len(reqs), self.k, self.k + 1
-        drafts, looked = self.drafter.propose_on_device(self.tokens, self.lengths, k)
+        s, q = len(reqs), self.k + 1
+        drafts, looked = self.drafter.propose_on_device(self.tokens, self.lengths, self.k)
         host_drafts = _to_host(torch.cat([drafts, looked.unsqueeze(1)], dim=1))
-        within = torch.arange(q, device=self.device)
-        last = (self.lengths - 1).unsqueeze(1)  # each sequence's last token: not in the KV yet
-        positions = last + within
-        ids = torch.cat([self.tokens.gather(1, last), drafts], dim=1)
         tables = _tables(reqs, max(len(r.pages) for r in reqs), self.device)
-        page = runner.page_size
-        slots = tables.long().gather(1, positions // page) * page + positions % page
-        fed = VerifyFed(ids.flatten(), positions.flatten(), slots.flatten(),
-                        (self.lengths + k).int(), tables, [r.lora_slot for r in reqs])
+        ids, positions, slots, outputs, lens = verify_inputs(
+            self.tokens, self.lengths, self.prompt_lens, drafts, tables, runner.page_size)
+        fed = VerifyFed(ids, positions, slots, lens, tables, [r.lora_slot for r in reqs])
         logits = runner.verify(fed)
         rows = [r for r in reqs for _ in range(q)]
         step = Step(Batch(), rows, logits)
         # Each position's noise is that of its token's index in the output, as without drafts.
-        outputs = (self.lengths - self.prompt_lens).unsqueeze(1) + within
-        runner.sample(step, rows, offsets=list(range(q)) * s, positions=outputs.flatten())
+        runner.sample(step, rows, offsets=list(range(q)) * s, positions=outputs)
         assert step.drawn is not None
-        # Accept: the drafts equal to the token drawn at their position, up to the first that
-        # differs; the drawn tokens are written past each sequence (those after the accepted
-        # ones are never read: the lookup stops at the length).
-        drawn = step.drawn.tokens.view(s, q).clamp(min=0)  # a failed row's request fails
-        accepted = leading_true(drawn[:, :k] == drafts)
-        self.tokens.scatter_(1, last + 1 + within, drawn)
-        self.lengths += accepted + 1
+        accept(self.tokens, self.lengths, drafts, step.drawn.tokens.view(s, q))
         return LoopStep(step, reqs, host_drafts)
 
 

@@ -35,6 +35,7 @@ import torch
 
 from engine.request import Request
 from engine.scheduler import Batch, ScheduledSeq
+from kernels.spec_decode import prompt_lookup
 
 MAX_BATCH = 16  # decodes in a step beyond which no step speculates (GPUs)
 # On a CPU, 4 decodes with 4 drafts each ran at 0.92x of plain decoding (5 rows cost what 1
@@ -105,41 +106,11 @@ class PromptLookup:
 
     def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor,
                           k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`propose` for every row at once, in a fixed number of kernels: each earlier position
-        of the window scores its match length, the longest and latest wins. A verify step
-        computes k positions whatever they hold, so a row always gets k drafts: where `propose`
-        would give fewer (no match of `min_ngram`, or the match's continuation reaches the end)
-        the best shorter match fills in, then the last token repeated."""
-        rows, width = tokens.shape
-        device = tokens.device
-        end = (lengths - 1).unsqueeze(1)  # (S, 1): the last token
-        span = min(self.window, width) - 1  # candidate ends: end - span .. end - 1
-        at = end - span + torch.arange(span, device=device)  # (S, span)
-        lo = (end - span).clamp(min=0).unsqueeze(2)
-        # Token j back from each candidate end against token j back from the last one; a match
-        # runs while they agree, inside the window: its length n (all j at once, few kernels).
-        back = at.unsqueeze(2) - torch.arange(self.max_ngram, device=device)  # (S, span, J)
-        earlier = tokens.gather(1, back.clamp(min=0).flatten(1)).view(back.shape)
-        suffix = tokens.gather(1, (back[:, -1, :] + 1).clamp(min=0))  # (S, J): end - j
-        agree = (earlier == suffix.unsqueeze(1)) & (back >= lo)
-        n = leading_true(agree)  # (S, span)
-        # longer wins, then later: n in the high digits, the candidate's place in the low ones
-        score = n * span + torch.arange(span, device=device)
-        best = score.argmax(dim=1, keepdim=True)
-        best_len = n.gather(1, best)
-        start = torch.where(best_len > 0, at.gather(1, best), end - 1) + 1
-        follow = (start + torch.arange(k, device=tokens.device)).minimum(end)
-        # `propose` gives the match's continuation up to the end, when the match is long enough
-        looked = torch.where(best_len >= self.min_ngram, (end + 1 - start).clamp(max=k), 0)
-        return tokens.gather(1, follow), looked.squeeze(1)
-
-
-def leading_true(x: torch.Tensor) -> torch.Tensor:
-    """How many entries lead each row of bool `x` (its last dim) before the first False: the
-    first False's index, a False appended. (torch's cumprod over a short last dim is a slow
-    scan on CUDA: a quarter of a millisecond for a batch of lookups.)"""
-    ended = torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1).logical_not_()
-    return ended.to(torch.uint8).argmax(dim=-1)
+        """`propose` for every row at once, in one kernel (`kernels.spec_decode`). A verify
+        step computes k positions whatever they hold, so a row always gets k drafts: where
+        `propose` would give fewer (no match of `min_ngram`, or the match's continuation
+        reaches the end) the best shorter match fills in, then the last token repeated."""
+        return prompt_lookup(tokens, lengths, k, self.min_ngram, self.max_ngram, self.window)
 
 
 @dataclass

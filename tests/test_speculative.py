@@ -31,32 +31,6 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert recent.propose([1, 2, 3, 9, 1, 2, 7, 1, 2], 2) == [7, 1]
 
 
-def test_device_lookup_proposes_what_the_host_lookup_does():
-    """`PromptLookup.propose_on_device` gives each row `propose`'s drafts first (`looked` of
-    them), then fillers from the sequence itself; random sequences over a small vocabulary
-    (many matches, many ties), two windows, k 1 and 4, garbage past each length."""
-    g = torch.Generator().manual_seed(0)
-    matched = 0
-    for window in (4096, 7):
-        lookup = PromptLookup(window=window)
-        for k in (1, 4):
-            lengths = torch.randint(1, 40, (64,), generator=g)
-            tokens = torch.full((64, 48), 99)  # past a sequence's length: never read
-            seqs = []
-            for i, n in enumerate(lengths.tolist()):
-                seqs.append(torch.randint(0, 5, (n,), generator=g).tolist())
-                tokens[i, :n] = torch.tensor(seqs[-1])
-            drafts, looked = lookup.propose_on_device(tokens, lengths, k)
-            assert drafts.shape == (64, k)
-            for i, seq in enumerate(seqs):
-                want = lookup.propose(seq, k)
-                assert int(looked[i]) == len(want), (seq, k, window)
-                assert drafts[i, : len(want)].tolist() == want, (seq, k, window)
-                assert max(drafts[i].tolist()) < 5
-            matched += int(looked.count_nonzero())
-    assert matched > 64  # the comparison covered matches
-
-
 @contextmanager
 def speculating(llm, k: int = 4):
     eng = llm.engine
