@@ -124,9 +124,9 @@ def sweep_verify(copy_bw: float, quick: bool) -> dict:
     """A speculative step's attention: 1 + 4 queries per sequence on its cached context (the
     prefill kernel), against one decode query per sequence on the same context."""
     results = {}
-    configs = list(itertools.product([32, 64], [32, 64], [4], [2, 3], [2, 4, 8]))
+    configs = list(itertools.product([32], [32, 64, 128], [4, 8], [2, 3, 4], [2, 4, 8]))
     if quick:
-        configs = [pa.PREFILL_CONFIG]
+        configs = [pa.VERIFY_CONFIG]
     for batch, ctx in itertools.product((1, 4, 16), (1024, 4096)):
         n = 5
         k, v, tables, lens = paged_inputs([ctx] * batch)
