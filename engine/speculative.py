@@ -17,6 +17,10 @@ looked-up tokens, cut where the grammar refuses one. Each position's draw is mas
 grammar in the state the draft tokens before it lead to (`GrammarStage.start_fill`), so the
 target distribution is the constrained one at every position.
 
+On a GPU, a batch of decodes free of grammars runs the overlapped speculative loop instead
+(engine/spec_loop.py): the same drafts, verification and acceptance, on the device, each step
+queued before the host has read the one before (`DeviceDrafter`, `Speculator.loops`).
+
 Where speculation does not pay it stays off: in batches of more than `max_batch` decodes (the
 forward is no longer memory-bound, so extra positions cost compute: `MAX_BATCH` on a GPU, and
 `CPU_MAX_BATCH` on a CPU, whose forward is compute-bound from a few rows on), and for a request

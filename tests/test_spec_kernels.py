@@ -89,3 +89,31 @@ def test_accept_matches_the_reference():
     sd.accept_triton(got_tokens, got_lengths, drafts.to(DEVICE), drawn.to(DEVICE))
     assert torch.equal(got_tokens.cpu(), want_tokens)
     assert torch.equal(got_lengths.cpu(), want_lengths)
+
+
+@pytest.mark.gpu
+def test_kernels_at_serving_shapes():
+    """A batch-16 loop step of an 8B model's shapes: 16 sequences of up to 8k tokens over a
+    128k vocabulary, each with a planted repeat for the lookup to find, the default window,
+    k = 4, 16-token pages: the compiled kernels give the references'."""
+    g = torch.Generator().manual_seed(3)
+    rows, k, page, width = 16, 4, 16, 9216
+    tokens, lengths = _sequences(g, rows, 128256, width, 8192)
+    for i, n in enumerate(lengths.tolist()):
+        if n > 64:  # a stretch copied from earlier in the sequence ends it
+            tokens[i, n - 8 : n] = tokens[i, n // 2 : n // 2 + 8]
+    prompt_lens = (lengths // 2).clamp(min=1)
+    tables = torch.randperm(16 * 600, generator=g)[: rows * 577].view(rows, 577).int()
+    on = [t.cuda() for t in (tokens, lengths, prompt_lens, tables)]
+    drafts, looked = sd.prompt_lookup_torch(tokens, lengths, k, 2, 4, 4096)
+    got = sd.prompt_lookup_triton(on[0], on[1], k, 2, 4, 4096)
+    assert torch.equal(got[0].cpu(), drafts) and torch.equal(got[1].cpu(), looked)
+    assert int(looked.count_nonzero()) > rows // 2
+    want = sd.verify_inputs_torch(tokens, lengths, prompt_lens, drafts, tables, page)
+    got_inputs = sd.verify_inputs_triton(on[0], on[1], on[2], drafts.cuda(), on[3], page)
+    assert all(torch.equal(w, o.cpu()) for w, o in zip(want, got_inputs, strict=True))
+    drawn = torch.where(torch.rand(rows, k + 1, generator=g) < 0.5,
+                        torch.cat([drafts, drafts[:, :1]], dim=1), 7)
+    sd.accept_torch(tokens, lengths, drafts, drawn)
+    sd.accept_triton(on[0], on[1], drafts.cuda(), drawn.cuda())
+    assert torch.equal(on[0].cpu(), tokens) and torch.equal(on[1].cpu(), lengths)
