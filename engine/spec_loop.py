@@ -76,9 +76,9 @@ class DraftLoop:
         if reqs != self.reqs:
             staying = set(reqs)
             keep = [i for i, r in enumerate(self.reqs) if r in staying]
-            rows = upload([keep], torch.long, self.device)[0]
+            kept = upload([keep], torch.long, self.device)[0]
             self.tokens, self.lengths, self.prompt_lens = (
-                t.index_select(0, rows) for t in (self.tokens, self.lengths, self.prompt_lens))
+                t.index_select(0, kept) for t in (self.tokens, self.lengths, self.prompt_lens))
             self.reqs = reqs
         s, q = len(reqs), self.k + 1
         drafts, looked = self.drafter.propose_on_device(self.tokens, self.lengths, self.k)
