@@ -39,6 +39,7 @@ from engine.spec_loop import DraftLoop, LoopStep
 from engine.speculative import CPU_MAX_BATCH, MAX_BATCH, DeviceDrafter, Speculator
 from engine.structured import GrammarStage
 from engine.workers import Workers
+from kernels import spec_decode
 from lora.layers import wrap_model
 from lora.manager import AdapterManager, UnknownAdapter
 from lora.slots import LoraSlots
@@ -120,6 +121,9 @@ class LLMEngine:
             verify_queries=1 + cfg.num_speculative_tokens if cfg.num_speculative_tokens else 0,
             piecewise_max_tokens=cfg.max_num_batched_tokens if cfg.piecewise_graphs else 0,
         )
+        if self.speculator is not None and self.overlap:
+            # The overlapped speculative loop's kernels compile now, not in its first step.
+            spec_decode.warm_up(device, self.speculator.k, cfg.page_size)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
                                         cfg.session_kv_pages, self.runner.host_kv,
                                         self._disk_tier(cfg, dtype))

@@ -210,3 +210,17 @@ def _accept_kernel(tok_ptr, len_ptr, drafts_ptr, drawn_ptr, s_tok, k, Q_PAD: tl.
     length = tl.load(len_ptr + row)
     tl.store(tok_ptr + row.to(tl.int64) * s_tok + length + j, drawn, mask=j <= k)
     tl.store(len_ptr + row, length + accepted + 1)
+
+
+def warm_up(device: torch.device, k: int, page_size: int) -> None:
+    """Compile the three kernels for `k` drafts (Triton compiles on a kernel's first call):
+    a serving engine does it at start, not in its first speculative step."""
+    if device.type != "cuda":
+        return
+    tokens = torch.arange(8, device=device).repeat(2, 1)
+    lengths = torch.full((2,), 8, device=device)
+    drafts, _ = prompt_lookup_triton(tokens, lengths, k, 2, 4, 4096)
+    tables = torch.zeros(2, -(-(8 + k) // page_size), dtype=torch.int32, device=device)
+    ids = verify_inputs_triton(tokens, lengths, lengths // 2, drafts, tables, page_size)[0]
+    accept_triton(tokens.repeat(1, 2), lengths, drafts, ids.view(2, k + 1))
+    torch.cuda.synchronize(device)

@@ -164,6 +164,17 @@ def test_graphs_follow_a_changing_batch(tiny):
     assert graphs is not None and graphed == cpu
 
 
+def _speculating_engine(base: Path, adapters: dict[str, Path], device: str):
+    """An engine built to speculate (its verify graphs captured on CUDA), the adapters loaded."""
+    from engine import LLM
+
+    llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device,
+              num_speculative_tokens=4)
+    for name, path in adapters.items():
+        llm.load_adapter(name, path)
+    return llm
+
+
 class EchoDrafter:
     """Proposes the sequence's last few tokens again: a draft at every decode, of lengths 1..k
     (rarely accepted by random weights; the verify step's cost and layout are what count)."""
@@ -176,7 +187,7 @@ def test_verify_graphs_match_cpu(tiny):
     """Speculative steps of several sequences (drafts of several lengths, plain decodes beside
     them, two adapters and the base model) replay the verify graphs; the tokens equal the CPU
     path's."""
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
     from engine.speculative import Speculator
 
     base, adapters = tiny
@@ -187,10 +198,7 @@ def test_verify_graphs_match_cpu(tiny):
               for a in requests]
     outs, replays = {}, []
     for device in ("cpu", "cuda"):
-        llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device,
-                  num_speculative_tokens=4)
-        for name, path in adapters.items():
-            llm.load_adapter(name, path)
+        llm = _speculating_engine(base, adapters, device)
         llm.engine.speculator = Speculator(4, EchoDrafter())
         if device == "cuda":
             graphs = llm.engine.runner.verify_graphs
@@ -207,7 +215,7 @@ def test_speculative_loop_matches_cpu(tiny):
     (`VerifyGraphs.run_fed`), two adapters and the base model, sequences leaving as they end.
     Every step verifies (min_acceptance 0). The tokens equal the CPU engine's loop, which runs
     the same steps eagerly, and plain decoding's."""
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
     from engine.speculative import Speculator
 
     base, adapters = tiny
@@ -219,10 +227,7 @@ def test_speculative_loop_matches_cpu(tiny):
               for a, m in zip(requests, (14, 9, 20, 12, 16), strict=True)]
     outs, fed = {}, []
     for device in ("cpu", "cuda"):
-        llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device,
-                  num_speculative_tokens=4)
-        for name, path in adapters.items():
-            llm.load_adapter(name, path)
+        llm = _speculating_engine(base, adapters, device)
         eng = llm.engine
         outs[f"{device} plain"] = [o.token_ids for o in llm.generate(prompts, params)]
         eng.speculator, eng.overlap = Speculator(4, min_acceptance=0.0), True

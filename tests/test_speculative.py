@@ -54,30 +54,30 @@ def _copy_prompts(llm) -> list[list[int]]:
         add_generation_prompt=True)) for t in texts]
 
 
-def test_speculation_gives_the_tokens_of_plain_decoding(smollm2):
-    prompts = _copy_prompts(smollm2)
-    prompts = [prompts[0], prompts[1], prompts[2], prompts[0], prompts[1]]
+def _mixed_workload(llm):
+    """Copying prompts under greedy, seeded and top-p sampling, logprobs (request 2),
+    max_tokens inside a draft, a logit bias, and a stop string met inside an accepted draft
+    (request 0); with their outputs from plain decoding."""
+    prompts = _copy_prompts(llm)
+    prompts = [prompts[i % len(prompts)] for i in range(6)]
     params = [
         SamplingParams(max_tokens=40, temperature=0),
         SamplingParams(max_tokens=40, temperature=0.8, seed=11),
         SamplingParams(max_tokens=30, temperature=0, logprobs=2),
         SamplingParams(max_tokens=7, temperature=0),  # max_tokens inside a draft
         SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=5),
+        SamplingParams(max_tokens=40, temperature=0, logit_bias={13: 2.0}),
     ]
-    plain = smollm2.generate(prompts, params)
-    # A stop string met inside an accepted draft ends the request there.
+    plain = llm.generate(prompts, params)
     text = plain[0].text
-    params[3] = SamplingParams(max_tokens=40, temperature=0, stop=[text[20:26]])
-    plain[3] = smollm2.generate([prompts[3]], [params[3]])[0]
-    assert plain[3].finish_reason == "stop"
+    params[0] = SamplingParams(max_tokens=40, temperature=0, stop=[text[20:26]])
+    plain[0] = llm.generate([prompts[0]], [params[0]])[0]
+    assert plain[0].finish_reason == "stop"
+    return prompts, params, plain
 
-    eng = smollm2.engine
-    eng.reset_prefix_cache()
-    free = eng.allocator.num_free
-    with speculating(smollm2) as spec:
-        got = smollm2.generate(prompts, params)
-    assert spec.stats.forwards > 0 and spec.stats.accepted > 0
-    assert spec.stats.emitted > spec.stats.forwards  # more than one token per forward
+
+def _assert_same_outputs(got, plain) -> None:
+    """Tokens, text and finish reasons equal; request 2's logprobs within a tolerance."""
     for g, want in zip(got, plain, strict=True):
         assert (g.token_ids, g.text, g.finish_reason) == (
             want.token_ids, want.text, want.finish_reason)
@@ -85,6 +85,18 @@ def test_speculation_gives_the_tokens_of_plain_decoding(smollm2):
     assert [lp.token_id for lp in lps] == [lp.token_id for lp in want_lps]
     assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in want_lps],
                                                        abs=1e-3)
+
+
+def test_speculation_gives_the_tokens_of_plain_decoding(smollm2):
+    prompts, params, plain = _mixed_workload(smollm2)
+    eng = smollm2.engine
+    eng.reset_prefix_cache()
+    free = eng.allocator.num_free
+    with speculating(smollm2) as spec:
+        got = smollm2.generate(prompts, params)
+    assert spec.stats.forwards > 0 and spec.stats.accepted > 0
+    assert spec.stats.emitted > spec.stats.forwards  # more than one token per forward
+    _assert_same_outputs(got, plain)
     eng.reset_prefix_cache()
     assert eng.allocator.num_free == free
 
@@ -116,22 +128,7 @@ def test_the_overlapped_loop_gives_the_tokens_of_plain_decoding(smollm2):
     queued before the host reads them: the tokens, text, finish reasons and logprobs of plain
     decoding, greedy and seeded, with max_tokens and a stop string inside accepted drafts and
     requests leaving the loop while the others go on; no page leaks."""
-    prompts = _copy_prompts(smollm2)
-    prompts = [prompts[0], prompts[1], prompts[2], prompts[0], prompts[1], prompts[2]]
-    params = [
-        SamplingParams(max_tokens=40, temperature=0),
-        SamplingParams(max_tokens=40, temperature=0.8, seed=11),
-        SamplingParams(max_tokens=30, temperature=0, logprobs=2),
-        SamplingParams(max_tokens=7, temperature=0),  # max_tokens inside a draft
-        SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=5),
-        SamplingParams(max_tokens=40, temperature=0, logit_bias={13: 2.0}),
-    ]
-    plain = smollm2.generate(prompts, params)
-    text = plain[0].text
-    params[0] = SamplingParams(max_tokens=40, temperature=0, stop=[text[20:26]])
-    plain[0] = smollm2.generate([prompts[0]], [params[0]])[0]
-    assert plain[0].finish_reason == "stop"
-
+    prompts, params, plain = _mixed_workload(smollm2)
     eng = smollm2.engine
     eng.reset_prefix_cache()
     free = eng.allocator.num_free
@@ -142,13 +139,7 @@ def test_the_overlapped_loop_gives_the_tokens_of_plain_decoding(smollm2):
     assert len(steps[-1]) < len(prompts)  # requests left while the others went on
     assert eng.step_times["speculative"][0] - times == len(steps)
     assert spec.stats.accepted > 0 and spec.stats.emitted > 1.5 * spec.stats.forwards
-    for g, want in zip(got, plain, strict=True):
-        assert (g.token_ids, g.text, g.finish_reason) == (
-            want.token_ids, want.text, want.finish_reason)
-    lps, want_lps = got[2].logprobs or [], plain[2].logprobs or []
-    assert [lp.token_id for lp in lps] == [lp.token_id for lp in want_lps]
-    assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in want_lps],
-                                                       abs=1e-3)
+    _assert_same_outputs(got, plain)
     eng.reset_prefix_cache()
     assert eng.allocator.num_free == free
 
