@@ -233,5 +233,5 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
         serve(Connection(int(sys.argv[1])), int(sys.argv[2]))
-    except (EOFError, BrokenPipeError):  # the parent stopped during the handshake: no one to tell
-        pass
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent stopped during the handshake: no one to tell
