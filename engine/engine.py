@@ -281,9 +281,10 @@ class LLMEngine:
             if not failed:
                 self._wait_for_background(0.05)
             return failed
-        if self._loops(batch):
+        looped = self._start_loop(batch) if self._loops(batch) else None
+        if looped is not None:
             self._kind = "speculative"
-            return failed + self._start_loop(batch)
+            return failed + self._loop_step(looped)
         if self.speculator is not None and self.speculator.attach(
             batch, self._tokens_left, self.scheduler.add_draft,
             self.scheduler.max_num_batched_tokens, self.grammar,
@@ -368,17 +369,18 @@ class LLMEngine:
                 and spec.wants(len(reqs)) and all(map(spec.loops, reqs))
                 and any(map(spec.may_draft, reqs)))
 
-    def _start_loop(self, batch: Batch) -> list[RequestOutput]:
+    def _start_loop(self, batch: Batch) -> LoopStep | None:
+        """The loop's first step, queued; None when a request has no room for it (the batch
+        then runs as the regular schedule would)."""
         assert self.speculator is not None
         # One run per adapter slot (SGMV segments), as `ModelRunner._layout` orders decodes.
         reqs = sorted((s.request for s in batch.seqs), key=lambda r: r.lora_slot)
         drafter = cast(DeviceDrafter, self.speculator.drafter)
         self._loop = DraftLoop(reqs, self.speculator.k, drafter, self.runner.device)
         first = self._loop_launch(reqs, in_flight=False)
-        if first is None:  # no room to draft: the batch decodes as scheduled
-            self._loop, self._kind = None, "synchronous"
-            return self.postprocess(batch, self.runner.run(batch))
-        return self._loop_step(first)
+        if first is None:
+            self._loop = None
+        return first
 
     def _loop_step(self, prev: LoopStep) -> list[RequestOutput]:
         """One step of the loop: queue the next step of `prev`'s requests still running, then

@@ -302,8 +302,8 @@ class ModelRunner:
             [x.input_ids, x.positions, x.slot_mapping, x.sample_rows], torch.long, self.device
         )
         dt, dl, pt, qs, pl = upload(
-            [_flat(x.tables[:nd]), x.context_lens[:nd], _flat(x.tables[nd:]), x.query_start,
-             x.context_lens[nd:]],
+            [flat_tables(x.tables[:nd]), x.context_lens[:nd], flat_tables(x.tables[nd:]),
+             x.query_start, x.context_lens[nd:]],
             torch.int32,
             self.device,
         )
@@ -341,7 +341,7 @@ def _ends_sampled(inputs: StepInputs) -> bool:
     return all(end - 1 in rows for end in itertools.accumulate(inputs.num_new_tokens))
 
 
-def _flat(tables: list[list[int]]) -> list[int]:
+def flat_tables(tables: list[list[int]]) -> list[int]:
     """Rows padded with page 0 to one width (past each row's context: masked out), flattened."""
     width = max((len(t) for t in tables), default=0)
     flat: list[int] = []

@@ -27,7 +27,7 @@ from engine.messages import TokenLogprob
 from engine.race import Race
 from engine.request import Request
 from engine.sampling_rows import GREEDY, PLAIN, TOP_K, RowState, StepRows
-from kernels.upload import upload_arrays
+from kernels.upload import to_host, upload_arrays
 
 TIE_MARGIN = 64  # candidates past max(top_k) that settle ties at the k-th place by token id
 
@@ -110,9 +110,9 @@ class Sampler:
             tokens = torch.where(ok, tokens, -1)
         if not tokens.is_cuda:
             return Drawn(tokens, tokens, None, reqs, logprobs, rows.logprob_rows)
-        host = _to_host(tokens)
+        host = to_host(tokens)
         if logprobs is not None:
-            logprobs = Logprobs(*map(_to_host, logprobs))
+            logprobs = Logprobs(*map(to_host, logprobs))
         done = torch.cuda.Event()
         done.record()
         return Drawn(tokens, host, done, reqs, logprobs, rows.logprob_rows)
@@ -271,9 +271,3 @@ def _logprobs(
     chosen = lp.gather(1, tokens[rows].unsqueeze(1))[:, 0]
     top_values, top_ids = lp.topk(k, dim=-1)
     return Logprobs(chosen, top_ids, top_values)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host

@@ -121,13 +121,15 @@ class StepRows:
             self.path = PLAIN
         self.any_top_p = bool((top_p[sampled] < 1.0).any())
         self.any_min_p = bool((min_p[sampled] > 0.0).any())
-        positions = np.array([len(r.token_ids) - len(r.prompt_token_ids) for r in reqs])
-        positions += self.offsets
-        keys = hash32(np.array([st.seed_key for st in states]) ^ hash32(positions))
+        seeds = np.array([st.seed_key for st in states], np.int64)
+        if self.keys_on_device:  # the sampler makes the keys there
+            self.arrays["seed_keys"] = seeds
+            keys = np.zeros_like(seeds)
+        else:
+            positions = np.array([len(r.token_ids) - len(r.prompt_token_ids) for r in reqs])
+            keys = hash32(seeds ^ hash32(positions + self.offsets))
         self.arrays["floats"] = np.stack([temperature, top_p, min_p]).astype(np.float32)
         self.arrays["ints"] = np.stack([top_k.astype(np.int64), keys])
-        if self.keys_on_device:
-            self.arrays["seed_keys"] = np.array([st.seed_key for st in states], np.int64)
         if self.any_greedy:
             self.arrays["greedy"] = greedy
 

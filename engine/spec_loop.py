@@ -26,12 +26,12 @@ import numpy as np
 import torch
 
 from engine.cuda_graphs import VerifyFed
-from engine.model_runner import ModelRunner, Step
+from engine.model_runner import ModelRunner, Step, flat_tables
 from engine.request import Request
 from engine.scheduler import Batch
 from engine.speculative import DeviceDrafter
 from kernels.spec_decode import accept, verify_inputs
-from kernels.upload import upload
+from kernels.upload import to_host, upload
 
 HEADROOM = 1024  # tokens a sequence may grow by before the loop must start over, wider
 
@@ -82,8 +82,9 @@ class DraftLoop:
             self.reqs = reqs
         s, q = len(reqs), self.k + 1
         drafts, looked = self.drafter.propose_on_device(self.tokens, self.lengths, self.k)
-        host_drafts = _to_host(torch.cat([drafts, looked.unsqueeze(1)], dim=1))
-        tables = _tables(reqs, max(len(r.pages) for r in reqs), self.device)
+        host_drafts = to_host(torch.cat([drafts, looked.unsqueeze(1)], dim=1))
+        tables = upload([flat_tables([r.pages for r in reqs])], torch.int32,
+                        self.device)[0].view(s, -1)
         ids, positions, slots, outputs, lens = verify_inputs(
             self.tokens, self.lengths, self.prompt_lens, drafts, tables, runner.page_size)
         fed = VerifyFed(ids, positions, slots, lens, tables, [r.lora_slot for r in reqs])
@@ -95,20 +96,3 @@ class DraftLoop:
         assert step.drawn is not None
         accept(self.tokens, self.lengths, drafts, step.drawn.tokens.view(s, q))
         return LoopStep(step, reqs, host_drafts)
-
-
-def _tables(reqs: list[Request], width: int, device: torch.device) -> torch.Tensor:
-    """(S, width) int32: each request's pages, padded with page 0 (past its context)."""
-    flat: list[int] = []
-    for r in reqs:
-        flat.extend(r.pages)
-        flat.extend([0] * (width - len(r.pages)))
-    return upload([flat], torch.int32, device)[0].view(len(reqs), width)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host

@@ -60,6 +60,16 @@ def upload_arrays(arrays: dict[str, np.ndarray], device: torch.device) -> dict[s
     return out
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on its way to (pinned) host memory without waiting: read it once an event recorded
+    after this call has passed. A CPU tensor is already there: itself."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class Staging:
     """Named fields kept in one host buffer and its device mirror, for inputs rewritten every
     step in place (a CUDA graph's static inputs). The host side may be rewritten only once the
