@@ -134,6 +134,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
         tok, facts = rt.require_ready()
         # Admission comes before anything slow (planning, a grammar compile): overload is a
         # 429 at once, and a tenant over its limits costs no planning.
+        turn: SessionTurn | None = None
         with rt.seats.reserve(_num_sequences(body)):
             ticket = await rt.limiter.admit(tenant)
             try:
@@ -141,6 +142,9 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
                 plan = await asyncio.to_thread(_plan, body, turn, tok, facts, adapter)
                 if plan.constraint is not None:  # a schema no backend compiles is a 400 now
                     await _compile(rt, plan.constraint)
+                if turn:  # over quota, or the store full or down: refused before generation
+                    await turn.reservation(rt.ledger, plan.jobs[0].params.max_tokens).take(
+                        rt.storage_quota(tenant))
                 gen = Generation(
                     rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", plan.jobs, tenant, ticket,
                     rt.metrics, turn.session.id if turn else None,
@@ -148,6 +152,8 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
                 gen.submit()
             except BaseException:  # also a client gone while planning or compiling
                 ticket.release()
+                if turn:
+                    await turn.release()
                 raise
         fmt: ChatFormat | CompletionFormat
         if isinstance(body, ChatCompletionRequest):
@@ -159,7 +165,12 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
             if turn and isinstance(fmt, ChatFormat):  # a session turn is always a chat
                 events = turn.commit_before_done(events, gen, fmt)
             return SSEResponse(events, on_close=gen.close)
-        response = await _collect(gen, fmt, request.is_disconnected)
+        try:
+            response = await _collect(gen, fmt, request.is_disconnected)
+        except BaseException:
+            if turn:
+                await turn.release()
+            raise
         if turn and isinstance(fmt, ChatFormat):
             await turn.commit(gen, fmt)  # the turn is acknowledged only once its history is stored
         return response

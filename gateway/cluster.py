@@ -23,6 +23,7 @@ from gateway.auth import SharedKeys
 from gateway.limits import SharedLimiter
 from gateway.session_store import RedisStore
 from gateway.shared_adapters import SharedAdapters
+from gateway.storage_quota import RedisLedger
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -45,6 +46,7 @@ class Cluster:
         self.adapters = SharedAdapters(SharedAdapterStore(self.clients.files),
                                        lambda: rt.engine.adapters)
         self.sessions = RedisStore(self.redis)
+        self.ledger = RedisLedger(self.redis)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property

@@ -14,7 +14,9 @@ a name or an object with per-tenant limits:
 
 `"admin": true` marks a key that may read `/metrics` (see `public_metrics`). `max_adapters` and
 `max_adapter_storage_bytes` bound the LoRA adapters a tenant stores (default: the serve flags
-`--max-adapters-per-tenant`, `--max-adapter-storage-per-tenant`).
+`--max-adapters-per-tenant`, `--max-adapter-storage-per-tenant`); `max_sessions` and
+`max_storage_bytes` bound what else it stores: sessions, conversations and stored responses
+(default: `--max-sessions-per-tenant`, `--max-storage-per-tenant`; gateway/storage_quota.py).
 
 Without it, auth is off and every request belongs to the tenant "default". In the TOML file,
 `api_keys` is that file's path (relative to the TOML file), and `[tenants.NAME]` tables or
@@ -31,9 +33,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import EMBEDDED_MODEL_NAME, EngineConfig, setting
+from gateway.storage_quota import StorageQuota
 from lora.quota import AdapterQuota
 
 DEFAULT_TENANT = "default"
+MAX_TTL_S = 366 * 24 * 3600  # the longest TTL a session, response or conversation may have
 
 
 class ConfigError(ValueError):
@@ -48,6 +52,9 @@ class TenantLimits(BaseModel):
     # Stored LoRA adapters (None: --max-adapters-per-tenant / --max-adapter-storage-per-tenant).
     max_adapters: int | None = Field(None, ge=0)
     max_adapter_storage_bytes: int | None = Field(None, ge=0)
+    # Sessions, conversations and stored responses (None: the serve flags' quota).
+    max_sessions: int | None = Field(None, ge=0)
+    max_storage_bytes: int | None = Field(None, ge=0)
 
 
 class ServeConfig(EngineConfig):
@@ -92,9 +99,23 @@ class ServeConfig(EngineConfig):
         8 * 2**30, ge=0, metavar="BYTES", help="bytes of adapter files a tenant may store "
         "(max_adapter_storage_bytes in the keys file overrides it per tenant)")
 
+    # What tenants store: sessions, conversations, stored responses (gateway/storage_quota.py).
+    max_sessions_per_tenant: int = setting(
+        10_000, ge=0, help="sessions a tenant may keep, forks, conversations and the sessions "
+        "of stored responses included (max_sessions in the keys file overrides it)")
+    max_storage_per_tenant: int = setting(
+        2**30, ge=0, metavar="BYTES", help="bytes of sessions, conversations and stored "
+        "responses a tenant may keep (max_storage_bytes in the keys file overrides it)")
+    max_history_bytes: int = setting(
+        16 * 2**20, ge=1024, metavar="BYTES", help="largest history one session or "
+        "conversation may hold")
+    session_ttl: int = setting(
+        7 * 24 * 3600, ge=1, le=MAX_TTL_S, metavar="SECONDS", help="how long a session "
+        "created without ttl_seconds is kept after its last turn")
+
     # The Responses API (gateway/responses_api.py).
     response_ttl: int = setting(
-        30 * 24 * 3600, ge=1, metavar="SECONDS", help="how long a stored response or "
+        30 * 24 * 3600, ge=1, le=MAX_TTL_S, metavar="SECONDS", help="how long a stored response or "
         "conversation (and the history it continues) is kept")
     max_stored_responses: int = setting(
         1000, ge=1, help="stored responses a tenant may keep (and as many conversations); "
@@ -143,6 +164,15 @@ class ServeConfig(EngineConfig):
             self.max_adapters_per_tenant if limits.max_adapters is None else limits.max_adapters,
             self.max_adapter_storage_per_tenant if limits.max_adapter_storage_bytes is None
             else limits.max_adapter_storage_bytes,
+        )
+
+    def storage_quota(self, limits: TenantLimits) -> StorageQuota:
+        """What a tenant with `limits` may keep in the session and response stores."""
+        return StorageQuota(
+            self.max_sessions_per_tenant if limits.max_sessions is None else limits.max_sessions,
+            self.max_storage_per_tenant if limits.max_storage_bytes is None
+            else limits.max_storage_bytes,
+            self.max_history_bytes,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -4,7 +4,9 @@ A conversation's items are its session's history (items <-> chat messages:
 gateway/response_items.py); its record (`created_at`, `metadata`) is one of the tenant's
 bounded records (gateway/response_store.py). A response created with `conversation` reads the
 history as its prompt and appends its input and output items (gateway/response_chain.py).
-Another tenant's conversation is a 404, as one that never existed.
+Another tenant's conversation is a 404, as one that never existed. Its record and its items
+count toward the tenant's storage quota (gateway/storage_quota.py): past it, a 403 and
+nothing written; deleting a conversation deletes the responses stored in it too.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.auth import Authenticate
 from gateway.body import read_body
-from gateway.response_chain import Stores, not_found
+from gateway.redis_store import StoreUnavailable
+from gateway.response_chain import Stores, forget_conversation, not_found
 from gateway.response_items import Item, check_metadata, input_messages, message_items, new_id
 from gateway.responses_api import page
 from gateway.runtime import Runtime
 from gateway.session_store import Session
+from gateway.storage_quota import json_size, messages_size
 
 MAX_ITEMS = 20  # OpenAI's limit per call
 
@@ -68,9 +72,18 @@ def conversation_routes(
         cid = new_id("conv")
         record: dict[str, object] = {"created_at": int(time.time()),
                                      "metadata": body.metadata or {}}
-        await stores.sessions.create(Session(tenant=tenant, model="", messages=messages, id=cid,
-                                             ttl_seconds=stores.ttl_s))
-        await stores.drop_sessions(tenant, await stores.conversations.put(tenant, cid, record))
+        entries = {f"s:{cid}": messages_size(messages), f"c:{cid}": json_size(record)}
+        await stores.ledger.apply(tenant, entries, stores.ttl_s, rt.storage_quota(tenant))
+        try:
+            await stores.sessions.create(Session(tenant=tenant, model="", messages=messages,
+                                                 id=cid, ttl_seconds=stores.ttl_s))
+            evicted = await stores.conversations.put(tenant, cid, record)
+        except StoreUnavailable:
+            await stores.sessions.delete(tenant, cid)
+            await stores.ledger.drop(tenant, *entries)
+            raise
+        for old in evicted:
+            await forget_conversation(stores, tenant, old)
         return _public(cid, record)
 
     @router.get("/v1/conversations/{cid}")
@@ -84,14 +97,16 @@ def conversation_routes(
         body = await read_body(request, _Metadata, limit)
         record, _ = await find(tenant, cid)
         record["metadata"] = body.metadata or {}
+        entry = f"c:{cid}"
+        await stores.ledger.apply(tenant, {entry: json_size(record)}, stores.ttl_s,
+                                  rt.storage_quota(tenant), drops=[entry])
         await stores.conversations.put(tenant, cid, record)
         return _public(cid, record)
 
     @router.delete("/v1/conversations/{cid}")
     async def delete(cid: str, tenant: str = Depends(authenticate)) -> dict[str, object]:
         await find(tenant, cid)
-        await stores.conversations.delete(tenant, cid)
-        await stores.drop_sessions(tenant, [cid])
+        await forget_conversation(stores, tenant, cid)
         return {"id": cid, "object": "conversation.deleted", "deleted": True}
 
     @router.get("/v1/conversations/{cid}/items")
@@ -113,7 +128,13 @@ def conversation_routes(
         body = await read_body(request, AddItems, limit)
         messages = input_messages(body.items, "items")
         _, session = await find(tenant, cid)
-        await stores.sessions.append(session, messages)
+        grown = {f"s:{cid}": messages_size(messages)}
+        await stores.ledger.apply(tenant, grown, stores.ttl_s, rt.storage_quota(tenant))
+        try:
+            await stores.sessions.append(session, messages)
+        except StoreUnavailable:
+            await stores.ledger.apply(tenant, {f"s:{cid}": -grown[f"s:{cid}"]}, stores.ttl_s)
+            raise
         return page(message_items(messages), None, MAX_ITEMS * 2, "asc")
 
     @router.get("/v1/conversations/{cid}/items/{item_id}")

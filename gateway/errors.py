@@ -17,6 +17,9 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.redis_store import StoreUnavailable
+from gateway.storage_quota import QuotaExceeded
+
 log = logging.getLogger(__name__)
 
 INVALID = "invalid_request_error"
@@ -84,6 +87,16 @@ def rate_limited(message: str, retry_after: float, code: str) -> APIError:
 def not_ready() -> APIError:
     return APIError(503, "The model is still loading; retry shortly.", "server_error",
                     code="model_not_ready", headers={"Retry-After": "1"})
+
+
+def store_unavailable(e: StoreUnavailable) -> APIError:
+    """A store that is down, full (Redis `maxmemory`) or refusing writes: retry later."""
+    return APIError(503, f"The store is unavailable, nothing was saved: {e}", "server_error",
+                    code="store_unavailable", headers={"Retry-After": "1"})
+
+
+def storage_quota_exceeded(e: QuotaExceeded) -> APIError:
+    return APIError(403, str(e), param=e.quota, code="storage_quota_exceeded")
 
 
 def from_validation(errors: Sequence[ErrorDetails], drop_prefix: str | None = None) -> APIError:
@@ -169,6 +182,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        return store_unavailable(exc).response()
+
+    @app.exception_handler(QuotaExceeded)
+    async def _quota(_: Request, exc: QuotaExceeded) -> JSONResponse:
+        return storage_quota_exceeded(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

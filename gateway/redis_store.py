@@ -23,6 +23,8 @@ Keys (all under `switchboard:`):
                                       a conversation's record and the tenant's index
     response-session:{id} / response-sessions:{tenant}
                                       the sessions made for responses, least recently used first
+    usage:{tenant}:sizes / :expiries / :totals
+                                      the tenant's storage ledger (gateway/storage_quota.py)
 
 A replica holds one `Clients`: `text` for everything but adapter files, `files` for those.
 Neither retries a command: a write whose reply was lost may have been applied, and a retried
@@ -31,6 +33,8 @@ RPUSH or HINCRBY would count twice. Callers treat `unreachable()` errors as "Red
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +59,11 @@ Redis = Any
 def limit_keys(tenant: str) -> list[str]:
     """The tenant's token bucket and in-flight counts (the admission script's KEYS)."""
     return [f"switchboard:limit:{tenant}:bucket", f"switchboard:limit:{tenant}:inflight"]
+
+
+def usage_keys(tenant: str) -> list[str]:
+    """The tenant's storage ledger: entry sizes, entry expiries, totals (the script's KEYS)."""
+    return [f"switchboard:usage:{tenant}:{part}" for part in ("sizes", "expiries", "totals")]
 
 
 def adapter_files(tenant: str, name: str, version: str) -> str:
@@ -92,3 +101,26 @@ def unreachable() -> tuple[type[Exception], ...]:
     from redis.exceptions import ConnectionError, TimeoutError
 
     return ConnectionError, TimeoutError
+
+
+def failures() -> tuple[type[Exception], ...]:
+    """Every error a Redis command can raise: unreachable, out of memory (`maxmemory` with
+    `noeviction`), read-only replica, loading, a refused script. Stores answer them all as
+    "the store is unavailable" (503), never a 500."""
+    from redis.exceptions import RedisError
+
+    return (RedisError,)
+
+
+class StoreUnavailable(RuntimeError):
+    """A store (sessions, records, the storage ledger) cannot be reached or refused a write:
+    a 503 `store_unavailable` with Retry-After."""
+
+
+@asynccontextmanager
+async def store_errors(what: str) -> AsyncIterator[None]:
+    """Every Redis failure inside as `StoreUnavailable`, naming `what` failed."""
+    try:
+        yield
+    except failures() as e:
+        raise StoreUnavailable(f"the {what} is unavailable: {e}") from e

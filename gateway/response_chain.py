@@ -14,7 +14,9 @@ A conversation is one session, appended to by every response that names it. Sess
 responses are indexed per tenant (`Stores.threads`, least recently used first): beyond
 `--max-stored-responses` the oldest are deleted and their KV released, so neither records nor
 histories grow without bound. Nothing is written until a turn has finished: a failed or
-refused one leaves no state behind.
+refused one leaves no state behind. What a turn writes is charged to its tenant's storage
+ledger (gateway/storage_quota.py): `commit` returns the entries it grew, which settle the
+room the turn reserved before generation.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from gateway.redis_store import (
 from gateway.response_items import ResponsesRequest
 from gateway.response_store import MemoryRecords, Records, RedisRecords
 from gateway.session_store import Message, Session, SessionStore
+from gateway.storage_quota import Ledger, messages_size
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -51,24 +54,31 @@ class Stores:
     sessions: SessionStore
     release: Callable[[str], None]  # the engine's: unpin a session's KV
     ttl_s: int
+    ledger: Ledger
 
     @classmethod
     def of(cls, rt: Runtime) -> Stores:
         ttl, bound = rt.config.response_ttl, rt.config.max_stored_responses
         if rt.cluster is None:
             return cls(MemoryRecords(ttl, bound), MemoryRecords(ttl, bound),
-                       MemoryRecords(ttl, bound), rt.sessions, rt.engine.release_session, ttl)
+                       MemoryRecords(ttl, bound), rt.sessions, rt.engine.release_session, ttl,
+                       rt.ledger)
         redis = rt.cluster.redis
         return cls(RedisRecords(redis, RESPONSE, RESPONSES, ttl, bound),
                    RedisRecords(redis, CONVERSATION, CONVERSATIONS, ttl, bound),
                    RedisRecords(redis, RESPONSE_SESSION, RESPONSE_SESSIONS, ttl, bound),
-                   rt.sessions, rt.engine.release_session, ttl)
+                   rt.sessions, rt.engine.release_session, ttl, rt.ledger)
 
     async def drop_sessions(self, tenant: str, ids: list[str]) -> None:
         """Delete evicted sessions and release their pinned KV."""
         for sid in ids:
             await self.sessions.delete(tenant, sid)
+            await self.ledger.drop(tenant, f"s:{sid}")
             self.release(sid)
+
+    async def drop_responses(self, tenant: str, ids: list[str]) -> None:
+        """Uncharge records evicted beyond the bound (the store deleted them)."""
+        await self.ledger.drop(tenant, *(f"r:{rid}" for rid in ids))
 
 
 def not_found(what: str, item_id: str, param: str | None = None) -> APIError:
@@ -117,22 +127,25 @@ async def resolve_chain(stores: Stores, tenant: str, body: ResponsesRequest) -> 
     return Chain(session, length, True)
 
 
-async def commit(stores: Stores, chain: Chain, tenant: str, messages: list[Message]) -> Chain:
-    """Write this turn's `messages` (its input and reply) after the chain's history; the
-    chain they now end (a fork when another turn continued the session meanwhile)."""
+async def commit(stores: Stores, chain: Chain, tenant: str,
+                 messages: list[Message]) -> tuple[Chain, dict[str, int]]:
+    """Write this turn's `messages` (its input and reply) after the chain's history: the
+    chain they now end (a fork when another turn continued the session meanwhile), and the
+    ledger entries that grew (entry -> bytes)."""
     session, end = chain.session, chain.length + len(messages)
+    grown = {f"s:{session.id}": messages_size(messages)}
     if chain.conversation:
         await stores.sessions.append(session, messages)
-        return replace(chain, length=len(session.messages))
+        return replace(chain, length=len(session.messages)), grown
     if chain.stored and await stores.sessions.append_at(session, chain.length, messages):
         await _track(stores, tenant, session.id)
-        return replace(chain, length=end)
+        return replace(chain, length=end), grown
     if chain.stored:  # continued meanwhile: fork from our point instead
         session = _new_session(stores, tenant, session.model, chain.history)
     session = replace(session, messages=[*chain.history, *messages])
     await stores.sessions.create(session)
     await _track(stores, tenant, session.id)
-    return Chain(session, end, True)
+    return Chain(session, end, True), {f"s:{session.id}": messages_size(session.messages)}
 
 
 def _new_session(stores: Stores, tenant: str, model: str, history: list[Message]) -> Session:
@@ -142,3 +155,48 @@ def _new_session(stores: Stores, tenant: str, model: str, history: list[Message]
 async def _track(stores: Stores, tenant: str, session_id: str) -> None:
     """Renew the session in the tenant's index; delete those evicted beyond the bound."""
     await stores.drop_sessions(tenant, await stores.threads.put(tenant, session_id, {}))
+
+
+async def forget(stores: Stores, tenant: str, response_id: str, record: dict[str, object]) -> None:
+    """Delete a stored response, and its input and output from every history that holds
+    them: its session loses the turn and what continued from it (later responses there 404,
+    as continuing them would replay the deleted turn); sessions forked with a copy of it are
+    cut the same way; in a conversation only the turn's own items go."""
+    await stores.responses.delete(tenant, response_id)
+    await stores.drop_responses(tenant, [response_id])
+    sid, end, start = record.get("session"), record.get("length"), record.get("start")
+    if not isinstance(sid, str) or not isinstance(end, int):
+        return
+    if not isinstance(start, int):  # a record stored before "start" was kept
+        items = record.get("input")
+        start = end - (len(items) if isinstance(items, list) else 0) - 1
+    session = await stores.sessions.get(tenant, sid)
+    if session is None:
+        return
+    turn = session.messages[start:end]
+    conversation = await stores.conversations.get(tenant, sid) is not None
+    await _cut(stores, tenant, sid, start, end if conversation else None)
+    for other in await stores.threads.ids(tenant):
+        fork = None if other == sid else await stores.sessions.get(tenant, other)
+        if fork is not None and fork.messages[start:end] == turn:
+            await _cut(stores, tenant, other, start, None)
+
+
+async def forget_conversation(stores: Stores, tenant: str, cid: str) -> None:
+    """Delete a conversation: its record, its items, and the stored responses made in it
+    (their records hold its items too)."""
+    await stores.conversations.delete(tenant, cid)
+    await stores.ledger.drop(tenant, f"c:{cid}")
+    for rid in await stores.responses.ids(tenant):
+        record = await stores.responses.get(tenant, rid)
+        if record is not None and record.get("session") == cid:
+            await stores.responses.delete(tenant, rid)
+            await stores.drop_responses(tenant, [rid])
+    await stores.drop_sessions(tenant, [cid])
+
+
+async def _cut(stores: Stores, tenant: str, sid: str, start: int, end: int | None) -> None:
+    removed = await stores.sessions.splice(tenant, sid, start, end)
+    if removed:
+        await stores.ledger.apply(tenant, {f"s:{sid}": -removed}, stores.ttl_s)
+    stores.release(sid)  # its pinned KV held the turn too

@@ -17,11 +17,8 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
-from gateway.redis_store import Redis, unreachable
-from gateway.session_store import StoreUnavailable
+from gateway.redis_store import Redis, store_errors
 
 Record = dict[str, object]
 
@@ -40,6 +37,10 @@ class Records(ABC):
     @abstractmethod
     async def delete(self, tenant: str, record_id: str) -> bool:
         """True when the tenant's record existed."""
+
+    @abstractmethod
+    async def ids(self, tenant: str) -> list[str]:
+        """The tenant's record ids (at most `bound`), oldest first."""
 
 
 class MemoryRecords(Records):
@@ -64,6 +65,9 @@ class MemoryRecords(Records):
     async def delete(self, tenant: str, record_id: str) -> bool:
         return self._live(tenant).pop(record_id, None) is not None
 
+    async def ids(self, tenant: str) -> list[str]:
+        return list(self._live(tenant))
+
     def _live(self, tenant: str) -> OrderedDict[str, tuple[str, float]]:
         """The tenant's records, the expired ones dropped (they are the oldest: one TTL)."""
         records = self._tenants.setdefault(tenant, OrderedDict())
@@ -85,7 +89,7 @@ class RedisRecords(Records):
 
     async def put(self, tenant: str, record_id: str, record: Record) -> list[str]:
         now, index = time.time(), self.index + tenant
-        async with _errors():
+        async with store_errors("response store"):
             pipe = self._redis.pipeline(transaction=True)
             pipe.set(self.prefix + record_id, json.dumps({"tenant": tenant, "record": record}),
                      ex=self.ttl_s)
@@ -102,7 +106,7 @@ class RedisRecords(Records):
         return evicted
 
     async def get(self, tenant: str, record_id: str) -> Record | None:
-        async with _errors():
+        async with store_errors("response store"):
             raw = await self._redis.get(self.prefix + record_id)
         if raw is None:
             return None
@@ -112,17 +116,14 @@ class RedisRecords(Records):
     async def delete(self, tenant: str, record_id: str) -> bool:
         if await self.get(tenant, record_id) is None:
             return False
-        async with _errors():
+        async with store_errors("response store"):
             pipe = self._redis.pipeline(transaction=True)
             pipe.delete(self.prefix + record_id)
             pipe.zrem(self.index + tenant, record_id)
             await pipe.execute()
         return True
 
-
-@asynccontextmanager
-async def _errors() -> AsyncIterator[None]:
-    try:
-        yield
-    except unreachable() as e:
-        raise StoreUnavailable(f"the response store is unreachable: {e}") from e
+    async def ids(self, tenant: str) -> list[str]:
+        async with store_errors("response store"):
+            return list(await self._redis.zrangebyscore(self.index + tenant,
+                                                        time.time() - self.ttl_s, "+inf"))

@@ -3,7 +3,9 @@
 One request: auth -> body (ResponsesRequest) -> model -> admission (queue bound, tenant
 limits) -> chain (`previous_response_id` / `conversation`: the history, gateway/response_chain.py)
 -> plan, in a worker thread (items -> chat messages -> gateway/params.py's `plan_chat`: tools,
-`text.format`, template, tokens) -> grammar compile -> engine -> output items
+`text.format`, template, tokens) -> grammar compile -> the room it will store, reserved in the
+tenant's storage ledger (403 over quota, 503 with the store full or down: before generation)
+-> engine -> output items
 (gateway/response_output.py) -> the turn written to its session and the response stored (when
 `store`) -> the body, or the stream's `response.completed`. A response is acknowledged only
 once stored; one that failed is never stored.
@@ -25,10 +27,11 @@ from fastapi.responses import JSONResponse, Response
 from gateway.adapters import ensure_adapter
 from gateway.auth import Authenticate
 from gateway.body import read_body
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, bad_request, store_unavailable
 from gateway.generation import Generation
 from gateway.params import EngineFacts, Plan, plan_chat, resolve_adapter
-from gateway.response_chain import Chain, Stores, commit, not_found, resolve_chain
+from gateway.redis_store import StoreUnavailable
+from gateway.response_chain import Chain, Stores, commit, forget, not_found, resolve_chain
 from gateway.response_items import (
     RESPONSE_ID_HEADER,
     Item,
@@ -42,9 +45,9 @@ from gateway.response_items import (
 )
 from gateway.response_output import OutputBuilder, response_body, response_usage
 from gateway.runtime import Runtime
-from gateway.session_store import Message, StoreUnavailable
-from gateway.sessions import store_unavailable
+from gateway.session_store import Message
 from gateway.sse import SSEResponse
+from gateway.storage_quota import REPLY_BYTES_PER_TOKEN, Reservation, json_size, messages_size
 from gateway.tokenizer import GatewayTokenizer
 from grammar.spec import GrammarError
 
@@ -62,11 +65,13 @@ def response_routes(rt: Runtime, stores: Stores, authenticate: Authenticate) -> 
         adapter = resolve_adapter(body.model, rt.config.model_name, tenant, rt.engine.adapters)
         tok, facts = rt.require_ready()
         response_id = new_id("resp")
+        room: Reservation | None = None
         with rt.seats.reserve(1):
             ticket = await rt.limiter.admit(tenant)
             try:
                 chain = await resolve_chain(stores, tenant, body)
-                new, plan = await asyncio.to_thread(_plan, body, chain, tok, facts, adapter)
+                new, plan, nbytes = await asyncio.to_thread(_plan, body, chain, tok, facts,
+                                                            adapter)
                 if plan.constraint is not None:
                     try:
                         await rt.compile_grammar(plan.constraint)
@@ -74,13 +79,20 @@ def response_routes(rt: Runtime, stores: Stores, authenticate: Authenticate) -> 
                         raise bad_request(e.message,
                                           response_param(e.param or "text.format")) from None
                 pins = body.store or chain.conversation
+                if pins:
+                    nbytes += 2 * REPLY_BYTES_PER_TOKEN * plan.jobs[0].params.max_tokens
+                    entry = f"s:{chain.session.id}" if chain.conversation else f"sp:{response_id}"
+                    room = await Reservation(stores.ledger, tenant, entry, nbytes,
+                                             stores.ttl_s).take(rt.storage_quota(tenant))
                 gen = Generation(rt.engine, response_id, plan.jobs, tenant, ticket, rt.metrics,
                                  chain.session.id if pins else None)
                 gen.submit()
             except BaseException:
                 ticket.release()
+                if room is not None:
+                    await room.release()
                 raise
-        turn = Turn(stores, body, chain, new, gen, tenant)
+        turn = Turn(stores, body, chain, new, gen, tenant, room)
         headers = {RESPONSE_ID_HEADER: response_id}
         if body.stream:
             sse = SSEResponse(turn.events(), on_close=gen.close)
@@ -89,9 +101,10 @@ def response_routes(rt: Runtime, stores: Stores, authenticate: Authenticate) -> 
         try:
             async for _ in gen.outputs(request.is_disconnected):
                 pass
+            return JSONResponse(await turn.finish(), headers=headers)
         finally:
             gen.close()
-        return JSONResponse(await turn.finish(), headers=headers)
+            await turn.release()
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, tenant: str = Depends(authenticate)) -> object:
@@ -101,8 +114,8 @@ def response_routes(rt: Runtime, stores: Stores, authenticate: Authenticate) -> 
     async def delete_response(
         response_id: str, tenant: str = Depends(authenticate)
     ) -> dict[str, object]:
-        if not await stores.responses.delete(tenant, response_id):
-            raise not_found("response", response_id)
+        record = await _record(stores, tenant, response_id)
+        await forget(stores, tenant, response_id, record)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @router.get("/v1/responses/{response_id}/input_items")
@@ -141,25 +154,29 @@ async def _record(stores: Stores, tenant: str, response_id: str) -> dict[str, ob
 
 
 def _plan(body: ResponsesRequest, chain: Chain, tok: GatewayTokenizer, facts: EngineFacts,
-          adapter: str | None) -> tuple[list[Message], Plan]:
-    """(this turn's input as messages, its plan); in a worker thread. Errors name the
-    Responses parameters (`input`, `text.format`, `tools[i].parameters`)."""
+          adapter: str | None) -> tuple[list[Message], Plan, int]:
+    """(this turn's input as messages, its plan, the bytes its commit stores besides the
+    reply: the input twice (history and record), and the history when the commit copies
+    it into a new session); in a worker thread. Errors name the Responses parameters
+    (`input`, `text.format`, `tools[i].parameters`)."""
     origins: list[int] = []
     new = input_messages(body.input, origins=origins)
     try:
-        return new, plan_chat(to_chat(body, [*chain.history, *new]), tok, facts, adapter)
+        plan = plan_chat(to_chat(body, [*chain.history, *new]), tok, facts, adapter)
     except APIError as e:
         e.param = response_param(e.param, len(chain.history), origins)
         raise
+    copied = 0 if chain.stored else messages_size(chain.history)
+    return new, plan, 2 * messages_size(new) + copied
 
 
 class Turn:
     """One response being generated: its output, then its commit (session + record)."""
 
     def __init__(self, stores: Stores, body: ResponsesRequest, chain: Chain,
-                 new: list[Message], gen: Generation, tenant: str):
+                 new: list[Message], gen: Generation, tenant: str, room: Reservation | None):
         self.stores, self.body, self.chain, self.new, self.gen = stores, body, chain, new, gen
-        self.tenant = tenant
+        self.tenant, self.room = tenant, room
         self.choice = gen.ordered[0]
         spec = self.choice.job.params.constraint
         self.output = OutputBuilder(spec if spec is not None and spec.kind == "tool_calls"
@@ -222,6 +239,15 @@ class Turn:
             yield self._event({"type": kind, "response": body})
         finally:
             self.gen.close()
+            try:
+                await self.release()
+            except StoreUnavailable:
+                pass  # the room stays taken until its ledger entry expires
+
+    async def release(self) -> None:
+        """Give back the reserved room if nothing was committed."""
+        if self.room is not None:
+            await self.room.release()
 
     async def _commit(self) -> dict[str, object]:
         finish = self.choice.finish_reason or "stop"
@@ -230,12 +256,19 @@ class Turn:
         body = self.body_now("incomplete" if incomplete else "completed", output,
                              usage=response_usage(self.gen.usage()), incomplete=incomplete)
         if self.body.store or self.chain.conversation:
-            chain = await commit(self.stores, self.chain, self.tenant,
-                                 [*self.new, reply_message(output)])
+            chain, grown = await commit(self.stores, self.chain, self.tenant,
+                                        [*self.new, reply_message(output)])
+            evicted: list[str] = []
             if self.body.store:
                 record = {"session": chain.session.id, "length": chain.length, "body": body,
-                          "input": message_items(self.new)}
-                await self.stores.responses.put(self.tenant, self.gen.response_id, record)
+                          "input": message_items(self.new),
+                          "start": chain.length - len(self.new) - 1}
+                evicted = await self.stores.responses.put(self.tenant, self.gen.response_id,
+                                                          record)
+                grown[f"r:{self.gen.response_id}"] = json_size(record)
+            if self.room is not None:
+                await self.room.settle(grown, self.stores.ttl_s)
+            await self.stores.drop_responses(self.tenant, evicted)
         return body
 
     def _item_status(self) -> str:

@@ -19,6 +19,7 @@ from gateway.metrics import Metrics
 from gateway.params import EngineFacts
 from gateway.session_store import MemoryStore, SessionStore
 from gateway.shared_adapters import SharedAdapters
+from gateway.storage_quota import Ledger, MemoryLedger, StorageQuota
 from gateway.tokenizer import GatewayTokenizer
 from grammar.spec import ConstraintSpec
 
@@ -52,6 +53,7 @@ class Runtime:
             self.cluster.adapters if self.cluster else None)
         self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth)
         self.sessions: SessionStore = self.cluster.sessions if self.cluster else MemoryStore()
+        self.ledger: Ledger = self.cluster.ledger if self.cluster else MemoryLedger()
         self.tokenizer: GatewayTokenizer | None = None
         self.facts: EngineFacts | None = None
         self.load_error: BaseException | None = None
@@ -156,6 +158,10 @@ class Runtime:
             await self.engine.compile_grammar(spec)
         finally:
             self.metrics.grammar_wait.observe(time.monotonic() - t)
+
+    def storage_quota(self, tenant: str) -> StorageQuota:
+        """What `tenant` may keep in the stores (its limits shared with --redis-url)."""
+        return self.config.storage_quota(self.auth.limits_for(tenant))
 
     def queue_depth(self) -> int:
         """Sequences submitted and not yet in the running batch."""

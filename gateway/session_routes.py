@@ -1,31 +1,43 @@
 """`/v1/sessions`: create, read, delete and fork stateful agent sessions.
 
 A session belongs to the tenant that created it; every other tenant gets the same 404 as for
-a session that never existed. Store failures (Redis unreachable) answer 503; sessionless
-requests never touch the store.
+a session that never existed. Store failures (Redis unreachable or full) answer 503, a tenant
+past its storage quota 403 (gateway/storage_quota.py), both with nothing written; sessionless
+requests never touch the store. A session created without `ttl_seconds` gets `--session-ttl`,
+restarted by every turn.
 """
 
 from __future__ import annotations
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from gateway.adapters import ensure_adapter
 from gateway.auth import Authenticate
 from gateway.body import read_body
+from gateway.config import MAX_TTL_S
 from gateway.errors import bad_request
 from gateway.params import resolve_adapter
+from gateway.redis_store import StoreUnavailable
 from gateway.runtime import Runtime
-from gateway.session_store import Message, Session, StoreUnavailable
-from gateway.sessions import CreateSession, ForkSession, find_session, store_unavailable
+from gateway.session_store import Message, Session
+from gateway.sessions import CreateSession, ForkSession, find_session
+from gateway.storage_quota import json_size, messages_size
 
 
 def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Authenticate) -> None:
     store, limit = rt.sessions, rt.config.max_request_bytes
 
-    @app.exception_handler(StoreUnavailable)
-    async def _unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
-        return store_unavailable(exc).response()
+    async def create(session: Session) -> None:
+        """Charge the new session to its tenant's quota, then write it (nothing on a 403)."""
+        entry = f"s:{session.id}"
+        size = messages_size(session.messages) + json_size(session.tools)
+        await rt.ledger.apply(session.tenant, {entry: size}, session.ttl_seconds or MAX_TTL_S,
+                              rt.storage_quota(session.tenant))
+        try:
+            await store.create(session)
+        except StoreUnavailable:
+            await rt.ledger.drop(session.tenant, entry)
+            raise
 
     @app.post("/v1/sessions")
     async def create_session(
@@ -39,8 +51,8 @@ def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Authenticate) ->
             for m in body.messages
         ]
         session = Session(tenant=tenant, model=body.model, messages=messages, tools=body.tools,
-                          ttl_seconds=body.ttl_seconds)
-        await store.create(session)
+                          ttl_seconds=body.ttl_seconds or rt.config.session_ttl)
+        await create(session)
         return session.public()
 
     @app.get("/v1/sessions/{session_id}")
@@ -55,6 +67,7 @@ def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Authenticate) ->
     ) -> dict[str, object]:
         await find_session(store, tenant, session_id)
         await store.delete(tenant, session_id)
+        await rt.ledger.drop(tenant, f"s:{session_id}")
         rt.engine.release_session(session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
@@ -69,5 +82,6 @@ def add_session_routes(app: FastAPI, rt: Runtime, authenticate: Authenticate) ->
             raise bad_request(f"message_index {index} is out of range: the session has "
                               f"{len(parent.messages)} messages", "message_index")
         child = parent.fork(index)
-        await store.create(child)
+        child.ttl_seconds = child.ttl_seconds or rt.config.session_ttl
+        await create(child)
         return child.public()

@@ -6,7 +6,8 @@ Two implementations: `MemoryStore` (in-process, the embedded default) and `Redis
 
 Contract for every store: `get` answers None for a session that does not exist, has expired,
 or belongs to another tenant (callers must not tell these apart); `append` returns only once
-the messages are stored; a store that cannot be reached raises `StoreUnavailable`.
+the messages are stored; a store that cannot be reached or refuses a write raises
+`StoreUnavailable` (gateway/redis_store.py).
 """
 
 from __future__ import annotations
@@ -15,17 +16,11 @@ import json
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
-from gateway.redis_store import SESSION, Redis, unreachable
+from gateway.redis_store import SESSION, Redis, store_errors
 
 Message = dict[str, object]  # a chat message, as JSON: role, content, the tool fields
-
-
-class StoreUnavailable(RuntimeError):
-    """The session store cannot be reached."""
 
 
 @dataclass
@@ -71,6 +66,11 @@ class SessionStore(ABC):
     async def delete(self, tenant: str, session_id: str) -> bool:
         """True when the tenant's session existed."""
 
+    @abstractmethod
+    async def splice(self, tenant: str, session_id: str, start: int, end: int | None) -> int:
+        """Remove `messages[start:end]` from the tenant's session (`end` None: to the end);
+        the bytes removed (0 for an unknown session). Deletes erase what they delete."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -114,6 +114,14 @@ class MemoryStore(SessionStore):
         del self._sessions[session_id]
         return True
 
+    async def splice(self, tenant: str, session_id: str, start: int, end: int | None) -> int:
+        if await self.get(tenant, session_id) is None:
+            return 0
+        messages = self._sessions[session_id][0].messages
+        removed = sum(len(json.dumps(m).encode()) for m in messages[start:end])
+        del messages[start:end]
+        return removed
+
     def _put(self, session: Session) -> None:
         ttl = session.ttl_seconds
         expires = float("inf") if ttl is None else time.monotonic() + ttl
@@ -137,7 +145,7 @@ class RedisStore(SessionStore):
         meta = {"tenant": session.tenant, "model": session.model,
                 "tools": json.dumps(session.tools), "created": session.created,
                 "ttl_seconds": "" if session.ttl_seconds is None else session.ttl_seconds}
-        async with _errors():
+        async with store_errors("session store"):
             pipe = self._redis.pipeline(transaction=True)
             pipe.hset(key, mapping=meta)
             if session.messages:
@@ -147,7 +155,7 @@ class RedisStore(SessionStore):
 
     async def get(self, tenant: str, session_id: str) -> Session | None:
         key = self.prefix + session_id
-        async with _errors():
+        async with store_errors("session store"):
             pipe = self._redis.pipeline(transaction=True)
             pipe.hgetall(key)
             pipe.lrange(key + ":messages", 0, -1)
@@ -164,7 +172,7 @@ class RedisStore(SessionStore):
     async def append(self, session: Session, messages: list[Message]) -> None:
         key = self.prefix + session.id
         if messages:
-            async with _errors():
+            async with store_errors("session store"):
                 pipe = self._redis.pipeline(transaction=True)
                 pipe.rpush(key + ":messages", *map(json.dumps, messages))
                 self._expire(pipe, session)
@@ -174,7 +182,7 @@ class RedisStore(SessionStore):
     async def append_at(self, session: Session, length: int, messages: list[Message]) -> bool:
         key = self.prefix + session.id
         ttl = session.ttl_seconds or 0
-        async with _errors():
+        async with store_errors("session store"):
             done = await self._redis.eval(_APPEND_AT, 2, key, key + ":messages", session.tenant,
                                           length, ttl, *map(json.dumps, messages))
         if done:
@@ -185,9 +193,16 @@ class RedisStore(SessionStore):
         if await self.get(tenant, session_id) is None:
             return False
         key = self.prefix + session_id
-        async with _errors():
+        async with store_errors("session store"):
             await self._redis.delete(key, key + ":messages")
         return True
+
+    async def splice(self, tenant: str, session_id: str, start: int, end: int | None) -> int:
+        key = self.prefix + session_id
+        async with store_errors("session store"):
+            removed = await self._redis.eval(_SPLICE, 2, key, key + ":messages", tenant, start,
+                                             -1 if end is None else end)
+        return max(int(removed), 0)
 
     def _expire(self, pipe: Redis, session: Session) -> None:
         if session.ttl_seconds is not None:
@@ -209,10 +224,23 @@ return 1
 """
 
 
-@asynccontextmanager
-async def _errors() -> AsyncIterator[None]:
-    """Turns the Redis client's connection failures into `StoreUnavailable`."""
-    try:
-        yield
-    except unreachable() as e:
-        raise StoreUnavailable(f"the session store is unreachable: {e}") from e
+
+# KEYS: the session's hash and list; ARGV: tenant, start, end (-1: to the end). Returns the
+# bytes removed (-1: not the tenant's session). The rebuilt list keeps the hash's TTL.
+_SPLICE = """
+if redis.call('HGET', KEYS[1], 'tenant') ~= ARGV[1] then return -1 end
+local start, stop = tonumber(ARGV[2]), tonumber(ARGV[3])
+local all = redis.call('LRANGE', KEYS[2], 0, -1)
+local keep, removed = {}, 0
+for i, m in ipairs(all) do
+  if i - 1 < start or (stop >= 0 and i - 1 >= stop) then keep[#keep + 1] = m
+  else removed = removed + #m end
+end
+redis.call('DEL', KEYS[2])
+for i = 1, #keep, 1000 do
+  redis.call('RPUSH', KEYS[2], unpack(keep, i, math.min(i + 999, #keep)))
+end
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 and #keep > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+return removed
+"""

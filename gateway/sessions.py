@@ -5,6 +5,10 @@ the reply is appended too. The engine keeps the turn's KV pinned in the prefix c
 next turn (`GenerateRequest.session_id`); whether it is still there or must be recomputed
 changes only speed, never the reply. The turn is acknowledged (response body, or the
 stream's `[DONE]`) only after its history is written.
+
+Before generation the turn reserves its room in the tenant's storage ledger (its new
+messages and a reply allowance, gateway/storage_quota.py): a tenant over its quota gets a 403,
+and a full or unreachable store a 503, before any tokens are spent.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.errors import APIError, bad_request, clip
+from gateway.config import MAX_TTL_S
+from gateway.errors import APIError, bad_request, clip, store_unavailable
 from gateway.params import chat_messages
+from gateway.redis_store import StoreUnavailable
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from gateway.session_store import Message, Session, SessionStore, StoreUnavailable
+from gateway.session_store import Message, Session, SessionStore
 from gateway.sse import DONE, event
+from gateway.storage_quota import REPLY_BYTES_PER_TOKEN, Ledger, Reservation, messages_size
 
 if TYPE_CHECKING:
     from gateway.generation import Generation
@@ -32,7 +39,8 @@ class CreateSession(BaseModel):
     model: str
     messages: list[ChatMessage] = Field(default_factory=list)
     tools: list[dict[str, object]] | None = None
-    ttl_seconds: int | None = Field(default=None, ge=1)
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_S,
+                                    description="default: the server's --session-ttl")
 
 
 class ForkSession(BaseModel):
@@ -45,11 +53,6 @@ class ForkSession(BaseModel):
 def session_not_found(session_id: str) -> APIError:
     return APIError(404, f"No session found with id '{clip(session_id)}'.", param="session_id",
                     code="session_not_found")
-
-
-def store_unavailable(e: StoreUnavailable) -> APIError:
-    return APIError(503, f"Sessions are unavailable: {e}", "server_error",
-                    code="session_store_unavailable", headers={"Retry-After": "1"})
 
 
 async def find_session(store: SessionStore, tenant: str, session_id: str) -> Session:
@@ -83,6 +86,15 @@ class SessionTurn:
     store: SessionStore
     session: Session
     new_messages: list[Message]  # what this turn adds before the reply
+    room: Reservation | None = None  # taken by `reserve`
+
+    def reservation(self, ledger: Ledger, max_tokens: int) -> Reservation:
+        """The room this turn may take in the session's history: its new messages and a
+        reply of `max_tokens`."""
+        nbytes = messages_size(self.new_messages) + REPLY_BYTES_PER_TOKEN * max_tokens
+        self.room = Reservation(ledger, self.session.tenant, f"s:{self.session.id}",
+                                nbytes, self.session.ttl_seconds or MAX_TTL_S)
+        return self.room
 
     def prompt_body(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
         """`body` with the whole history (stored + new messages) as its messages."""
@@ -94,9 +106,23 @@ class SessionTurn:
         to the history; nothing if generation failed."""
         choice = gen.ordered[0]
         if choice.finish_reason in (None, "error", "abort"):
+            await self.release()
             return
         reply, _ = fmt.message(choice)
-        await self.store.append(self.session, [*self.new_messages, reply])
+        written = [*self.new_messages, reply]
+        try:
+            await self.store.append(self.session, written)
+        except StoreUnavailable:
+            await self.release()
+            raise
+        if self.room is not None:
+            await self.room.settle({self.room.entry: messages_size(written)},
+                                   self.room.ttl_s)
+
+    async def release(self) -> None:
+        """The turn writes nothing (it failed, or was refused before generation)."""
+        if self.room is not None:
+            await self.room.release()
 
     async def commit_before_done(
         self, events: AsyncGenerator[str, None], gen: Generation, fmt: ChatFormat
@@ -112,4 +138,8 @@ class SessionTurn:
                 yield e
         finally:
             await events.aclose()
+            try:
+                await self.release()  # a stream cut before [DONE] wrote nothing
+            except StoreUnavailable:
+                pass  # the room stays taken until the ledger entry expires
 

@@ -167,7 +167,7 @@ def _turn(server: Server, sid: str, content: str, **extra) -> httpx.Response:
 
 
 def _unavailable(r: httpx.Response) -> bool:
-    return r.status_code == 503 and r.json()["error"]["code"] == "session_store_unavailable"
+    return r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
 
 
 def test_redis_outage(server: Server, redis: Redis) -> None:
@@ -194,7 +194,7 @@ def test_redis_outage(server: Server, redis: Redis) -> None:
         streamed = streamed.result()
     events = [json.loads(ln[5:]) for ln in streamed.text.splitlines()
               if ln.startswith("data:") and ln != "data: [DONE]"]
-    assert events[-1]["error"]["code"] == "session_store_unavailable"  # not a silent [DONE]
+    assert events[-1]["error"]["code"] == "store_unavailable"  # not a silent [DONE]
 
     served = 0  # at least 3 rounds however slow the machine, for at least OUTAGE_S seconds
     while served < 3 or time.monotonic() - t0 < OUTAGE_S:

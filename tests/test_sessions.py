@@ -22,8 +22,9 @@ from openai import OpenAI
 
 from gateway import redis_store
 from gateway.errors import APIError
+from gateway.redis_store import StoreUnavailable
 from gateway.schemas import ChatCompletionRequest
-from gateway.session_store import MemoryStore, RedisStore, Session, StoreUnavailable
+from gateway.session_store import MemoryStore, RedisStore, Session
 from gateway.sessions import resolve_session
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -287,7 +288,7 @@ def test_redis_down_fails_session_calls_only(server: Server, redis_server) -> No
     redis_server.terminate()  # the last test of the module: nothing needs Redis after it
     redis_server.wait(10)
     r = server.http("GET", f"/v1/sessions/{sid}")
-    assert r.status_code == 503 and r.json()["error"]["code"] == "session_store_unavailable"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
     with pytest.raises(openai.InternalServerError):
         _turn(server.client(), sid, "hi")
     ok = server.client().chat.completions.create(
