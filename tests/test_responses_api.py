@@ -26,6 +26,7 @@ from gateway import redis_store
 from gateway.response_chain import Chain, Stores, commit
 from gateway.response_store import MemoryRecords, RedisRecords
 from gateway.session_store import MemoryStore, RedisStore, Session
+from gateway.storage_quota import MemoryLedger
 
 MODEL = "SmolLM2-135M-Instruct"
 ALPHA, BETA = "sk-test-alpha", "sk-test-beta"
@@ -432,19 +433,20 @@ def test_sessions_made_for_responses_are_bounded_and_released() -> None:
         released: list[str] = []
         sessions = MemoryStore()
         stores = Stores(MemoryRecords(60, 2), MemoryRecords(60, 2), MemoryRecords(60, 2),
-                        sessions, released.append, 60)
+                        sessions, released.append, 60, MemoryLedger())
         made = []
         for i in range(3):
             chain = Chain(Session("alpha", MODEL, ttl_seconds=60), 0, False)
             made.append((await commit(stores, chain, "alpha", [{"role": "user",
-                                                               "content": str(i)}])).session)
+                                                               "content": str(i)}]))[0].session)
         assert released == [made[0].id] and await sessions.get("alpha", made[0].id) is None
         # Continuing the latest point appends; continuing an earlier one forks.
         top = Chain(made[1], 1, True)
         assert (await commit(stores, top, "alpha", [{"role": "user", "content": "x"}])
-                ).session.id == made[1].id
-        forked = await commit(stores, Chain(made[1], 1, True), "alpha",
-                              [{"role": "user", "content": "y"}])
+                )[0].session.id == made[1].id
+        forked, grown = await commit(stores, Chain(made[1], 1, True), "alpha",
+                                     [{"role": "user", "content": "y"}])
+        assert grown == {f"s:{forked.session.id}": 2 * len('{"role": "user", "content": "1"}')}
         assert forked.session.id != made[1].id
         assert [m["content"] for m in forked.session.messages] == ["1", "y"]
         assert [m["content"] for m in (await sessions.get("alpha", made[1].id)).messages] == \
