@@ -196,6 +196,10 @@ class EngineConfig(BaseModel):
     kv_disk_gb: float | None = setting(
         None, gt=0, metavar="GB", help="most the disk KV tier keeps; the least recently used "
         "page files go first (default: no bound)")
+    kv_disk_tenant_gb: float | None = setting(
+        None, gt=0, metavar="GB", help="most one tenant's sessions keep in the disk KV tier; "
+        "its least recently used page files go first (default: a quarter of --kv-disk-gb, "
+        "or 8 GB without it)")
 
     @model_validator(mode="after")
     def _check_loras(self) -> EngineConfig:
@@ -221,6 +225,8 @@ class EngineConfig(BaseModel):
                                  num_pages * self.page_size),
             "session_kv_pages": (num_pages // 4 if self.session_kv_pages is None
                                  else self.session_kv_pages),
+            "kv_disk_tenant_gb": (self.kv_disk_tenant_gb or
+                                  (self.kv_disk_gb / 4 if self.kv_disk_gb else 8.0)),
             "host_kv_pages": (int(self.host_kv_gb * 2**30) // self._page_bytes(model)
                               if self.host_kv_pages is None else self.host_kv_pages),
             "cuda_graphs": on_cuda if self.cuda_graphs is None else self.cuda_graphs,
@@ -246,5 +252,6 @@ class ResolvedConfig(EngineConfig):
     max_model_len: int
     session_kv_pages: int
     host_kv_pages: int
+    kv_disk_tenant_gb: float
     cuda_graphs: bool
     overlap_schedule: bool

@@ -155,7 +155,9 @@ class LLMEngine:
         shape = (mc.num_layers, 2, cfg.page_size, mc.num_kv_heads, mc.head_dim)
         model = {**dataclasses.asdict(mc), "path": str(self.model_dir)}
         cap = int(cfg.kv_disk_gb * 2**30) if cfg.kv_disk_gb else None
-        return DiskKV(cfg.kv_disk_dir, fingerprint(model, cfg.dtype, shape), shape, dtype, cap)
+        per_tenant = int(cfg.kv_disk_tenant_gb * 2**30)
+        return DiskKV(cfg.kv_disk_dir, fingerprint(model, cfg.dtype, shape), shape, dtype, cap,
+                      per_tenant)
 
     # -- requests -------------------------------------------------------------------------
 

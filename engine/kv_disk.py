@@ -13,7 +13,10 @@ renamed; temporary files a crash left behind are deleted at start.
 
 Only sessions are written (their KV, write-through, when a turn ends), from a private host
 snapshot, on one writer thread, which then deletes the least recently used files (by
-modification time; a read touches its files) while the folder holds more than `max_bytes`.
+modification time; a read touches its files) while the folder holds more than `max_bytes`, and
+a tenant's least recently used files while that tenant's own pages hold more than
+`max_bytes_per_owner` (so one tenant's sessions cannot push out everyone else's). Files found
+at start belong to no tenant: they count toward `max_bytes` only.
 Reads run on a reader thread into host pages the caller owns until they are done. Namespaces
 hold a hash of an adapter's files (`lora.manager.content_uid`), so KV under an adapter is
 found again after a restart, as the base model's is.
@@ -48,7 +51,8 @@ class DiskKV:
     """Page files of one fingerprint under `root`."""
 
     def __init__(self, root: Path, fingerprint: str, page_shape: Sequence[int],
-                 dtype: torch.dtype, max_bytes: int | None = None):
+                 dtype: torch.dtype, max_bytes: int | None = None,
+                 max_bytes_per_owner: int | None = None):
         self.fingerprint = fingerprint
         self.page_shape = tuple(page_shape)  # (num_layers, 2, page_size, kv_heads, head_dim)
         self.dtype = dtype
@@ -58,7 +62,10 @@ class DiskKV:
             tmp.unlink(missing_ok=True)
         self.index: set[str] = {p.stem for p in self.dir.glob("*.kvpage")}  # keys on disk
         self.max_bytes = max_bytes  # None: no bound
+        self.max_bytes_per_owner = max_bytes_per_owner
         self.nbytes = sum(self._size(k) for k in self.index)
+        self.owners: dict[str, str] = {}  # key -> the tenant that wrote it (this run)
+        self.owner_bytes: dict[str, int] = {}
         self._lock = threading.Lock()  # `index` and `nbytes`: the writer and reader change them
         self.pending: set[str] = set()  # keys being written
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
@@ -86,25 +93,29 @@ class DiskKV:
         """Indices of `keys` with no file, written or being written."""
         return [i for i, k in enumerate(keys) if k not in self.index and k not in self.pending]
 
-    def write(self, keys: list[str], pages: torch.Tensor, ready: Callable[[], None]) -> None:
+    def write(self, keys: list[str], pages: torch.Tensor, ready: Callable[[], None],
+              owner: str = "") -> None:
         """Write `pages` (n, *page_shape), on the host, as `keys`' files, once `ready()` (run on
-        the writer thread) returns: the snapshot is complete."""
+        the writer thread) returns: the snapshot is complete. `owner`: the tenant, whose
+        pages are bounded by `max_bytes_per_owner`."""
         self.pending.update(keys)
-        self._writer.submit(self._write, keys, pages, ready)
+        self._writer.submit(self._write, keys, pages, ready, owner)
 
-    def _write(self, keys: list[str], pages: torch.Tensor, ready: Callable[[], None]) -> None:
+    def _write(self, keys: list[str], pages: torch.Tensor, ready: Callable[[], None],
+               owner: str = "") -> None:
         ready()
         for key, page in zip(keys, pages, strict=True):
             try:
-                self._write_page(key, page)
+                self._write_page(key, page, owner)
             except OSError as e:  # a full or failing disk: the page stays unwritten
                 log.warning("writing KV page file %s failed: %s", key, e)
                 (self.dir / f".{key}.tmp").unlink(missing_ok=True)
             finally:
                 self.pending.discard(key)
+        self._trim_owner(owner)
         self._trim()
 
-    def _write_page(self, key: str, page: torch.Tensor) -> None:
+    def _write_page(self, key: str, page: torch.Tensor, owner: str = "") -> None:
         payload = page.contiguous().view(torch.uint8).numpy().tobytes()
         header = {"fingerprint": self.fingerprint, "key": key, "shape": self.page_shape,
                   "dtype": str(self.dtype), "sha256": hashlib.sha256(payload).hexdigest()}
@@ -114,9 +125,26 @@ class DiskKV:
         os.replace(tmp, self.dir / f"{key}.kvpage")
         with self._lock:
             if key not in self.index:
-                self.nbytes += self._size(key)
+                size = self._size(key)
+                self.nbytes += size
                 self.index.add(key)
+                if owner:
+                    self.owners[key] = owner
+                    self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + size
         self.pages_written += 1
+
+    def _trim_owner(self, owner: str) -> None:
+        """Delete `owner`'s least recently used files while its pages hold over its bound."""
+        bound = self.max_bytes_per_owner
+        if not owner or bound is None or self.owner_bytes.get(owner, 0) <= bound:
+            return
+        with self._lock:
+            mine = [k for k, o in self.owners.items() if o == owner]
+        for key in sorted(mine, key=lambda k: _mtime(self.dir / f"{k}.kvpage")):
+            if self.owner_bytes.get(owner, 0) <= bound:
+                break
+            self._drop(key)
+            self.pages_deleted += 1
 
     def _trim(self) -> None:
         """Delete the least recently used files while the folder holds over `max_bytes`."""
@@ -138,6 +166,9 @@ class DiskKV:
             if key in self.index:
                 self.index.discard(key)
                 self.nbytes -= size
+                owner = self.owners.pop(key, "")
+                if owner:
+                    self.owner_bytes[owner] -= size
 
     def _size(self, key: str) -> int:
         try:

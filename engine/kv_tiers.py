@@ -199,7 +199,7 @@ class KVTiers:
         missing = self.disk.missing(keys)
         if missing:
             pages, ready = self.host.snapshot([req.pages[i] for i in missing])
-            self.disk.write([keys[i] for i in missing], pages, ready)
+            self.disk.write([keys[i] for i in missing], pages, ready, req.tenant)
 
     def stats(self) -> dict[str, Any]:
         """The tiers' fields of `PrefixCacheStats`."""

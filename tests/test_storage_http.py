@@ -34,7 +34,8 @@ from gateway.redis_store import usage_keys
 MODEL = "SmolLM2-135M-Instruct"
 QUOTA_BYTES = 64 * 1024
 KEYS = {"sk-small": {"tenant": "small", "max_sessions": 8, "max_storage_bytes": QUOTA_BYTES},
-        "sk-other": "other", "sk-del": "del"}
+        "sk-other": "other", "sk-del": "del",
+        "sk-conv": {"tenant": "conv", "max_storage_bytes": QUOTA_BYTES}}
 SESSION_TTL = 600
 T0 = {"temperature": 0, "max_tokens": 4}
 
@@ -149,6 +150,31 @@ def test_quota_bounds_sessions_forks_and_bytes(server: Server, db: redis.Redis) 
     assert codes == [200] * 6 + [403]
     err = _error(_session(server, "sk-small"), 403, "storage_quota_exceeded")
     assert err["param"] == "max_sessions"
+
+
+def test_a_conversation_cannot_grow_past_the_quota(server: Server, db: redis.Redis) -> None:
+    """The issue's second growth path: 20 items a call, call after call, into one
+    conversation; and responses appending to it."""
+    client = server.client("sk-conv")
+    conv = client.conversations.create()
+    items = [{"type": "message", "role": "user", "content": "y" * 1000}] * 20
+    codes = [server.http("POST", f"/v1/conversations/{conv.id}/items", "sk-conv",
+                         json={"items": items}).status_code for _ in range(5)]
+    assert codes[:3] == [200] * 3 and codes[3:] == [403] * 2, codes
+    listed = client.conversations.items.list(conv.id, limit=100)
+    assert len(listed.data) == 60
+    used = int(db.hget(usage_keys("conv")[2], "bytes"))
+    assert used <= QUOTA_BYTES
+    full = server.http("POST", "/v1/conversations", "sk-conv", json={"items": items})
+    assert _error(full, 403, "storage_quota_exceeded")["param"] == "max_storage_bytes"
+    client.conversations.delete(conv.id)
+    assert db.hget(usage_keys("conv")[2], "bytes") == "0"
+    # Room again: a conversation and a stored response in it.
+    conv = client.conversations.create()
+    r = client.responses.create(model=MODEL, input="Hi", conversation=conv.id,
+                                max_output_tokens=4, temperature=0)
+    assert r.status == "incomplete"
+    assert len(client.conversations.items.list(conv.id).data) == 2
 
 
 def test_ttl_bounds_and_default(server: Server, db: redis.Redis) -> None:
