@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -74,6 +75,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
+        """Each knob's type and range, as vLLM's. Every float's range is closed on both sides
+        (NaN and Infinity are out). Token ids (`stop_token_ids`, `logit_bias`' keys) are the
+        engine's to check against its vocabulary (`LLMEngine.validate`)."""
+
         def bad(msg: str, param: str) -> InvalidRequestError:
             return InvalidRequestError(msg, param)
 
@@ -88,8 +93,9 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
                 "min_tokens",
             )
-        if not self.temperature >= 0.0:  # also catches NaN
-            raise bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0.0 <= self.temperature < math.inf:  # NaN fails every comparison
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature}",
+                      "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not (self.top_k == -1 or self.top_k >= 1):
@@ -101,9 +107,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
-        if not self.repetition_penalty > 0.0:
+        if not 0.0 < self.repetition_penalty < math.inf:  # vLLM's bound, finite
             raise bad(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
                 "repetition_penalty",
             )
         if self.max_reasoning_tokens is not None and not (

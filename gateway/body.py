@@ -18,7 +18,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from gateway.bounds import check_counts
-from gateway.errors import bad_request, from_validation, invalid_json, too_large
+from gateway.errors import bad_request, from_pydantic, invalid_json, too_large
 
 Body = TypeVar("Body", bound=BaseModel)
 INLINE_BYTES = 64 * 1024  # smaller bodies are read in a few milliseconds at most: no thread
@@ -47,7 +47,7 @@ def _parse(schema: type[Body], raw: bytes) -> Body:
     try:
         return schema.model_validate_json(raw)
     except ValidationError as e:
-        raise from_validation(e.errors()) from None
+        raise from_pydantic(e) from None
 
 
 async def read_capped(request: Request, limit: int) -> bytes:

@@ -18,15 +18,18 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_MESSAGES = 2048
+MAX_STOP_TOKEN_IDS = 1024  # each is compared with every sampled token
 MAX_SCHEMA_BYTES = 128 * 1024  # the JSON of all the tools, or of the constraint field
 MAX_SCHEMA_DEPTH = 32  # arrays and objects nested in one tool's parameters or one schema
 PROMPT_CHARS_PER_TOKEN = 32  # English averages about 4; code and whitespace runs a few more
 
 
 def check_counts(body: object) -> None:
-    """How many tools and messages, without reading them (cheap). `body`: a request, or its
-    parsed JSON before validation."""
-    for param, limit in (("tools", MAX_TOOLS), ("messages", MAX_MESSAGES)):
+    """How many tools, messages and stop token ids, without reading them (cheap). `body`: a
+    request, or its parsed JSON before validation. (Each stop token id's range is the
+    engine's check, which knows the vocabulary.)"""
+    for param, limit in (("tools", MAX_TOOLS), ("messages", MAX_MESSAGES),
+                         ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
         items = body.get(param) if isinstance(body, dict) else getattr(body, param, None)
         if isinstance(items, list):
             _at_most(len(items), limit, param)

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 INVALID = "invalid_request_error"
 MAX_JSON_DEPTH = 200  # pydantic's JSON parser refuses deeper nesting
+MAX_PROBLEMS = 10  # validation problems listed in one message; the rest are counted
+MAX_PROBLEM_CHARS = 200  # one problem's message, clipped
+MAX_MESSAGE_CHARS = 4096  # any error message, clipped: a client's input is never echoed whole
+MAX_PARAM_CHARS = 256  # and its `param` (a path may hold the client's object keys)
 
 
 class APIError(Exception):
@@ -36,9 +40,11 @@ class APIError(Exception):
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
     ):
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
+        self.param = None if param is None else clip(param, MAX_PARAM_CHARS)
+        self.code, self.headers = code, headers
 
     def body(self) -> dict[str, object]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -100,25 +106,51 @@ def storage_quota_exceeded(e: QuotaExceeded) -> APIError:
 
 
 def from_validation(errors: Sequence[ErrorDetails], drop_prefix: str | None = None) -> APIError:
-    """One pydantic error as a 400 naming the offending parameter: the deepest one, since
-    for a union (`content: str | list[...]`) that is the member the client meant."""
-    err = max(errors, key=lambda e: len(e.get("loc", ())))
-    loc = list(err.get("loc", ()))
-    if drop_prefix and loc and loc[0] == drop_prefix:
-        loc = loc[1:]
-    param = _param_path(loc)
-    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    """pydantic's errors as one 400: the first `MAX_PROBLEMS` problems and a count of the
+    rest, each naming its parameter, so the body stays small whatever the input. A union's
+    members (`content: str | list[...]`) each report the same value: a parameter whose
+    descendants have problems is left out for them (the member the client meant), and one
+    parameter is reported once. `param` is the first problem's."""
+    first: dict[tuple[int | str, ...], ErrorDetails] = {}  # parameter -> its first error
+    for err in errors:
+        if err["type"] == "json_invalid":
+            return invalid_json(str(err.get("msg", "")))
+        loc = err["loc"]
+        if drop_prefix and loc and loc[0] == drop_prefix:
+            loc = loc[1:]
+        key = tuple(p for p in loc if isinstance(p, int) or not _is_tag(p))
+        if key not in first:
+            first[key] = err
+    parents = {k[:i] for k in first for i in range(1, len(k))}
+    leaves = [k for k in first if k not in parents]  # never empty: the longest key is a leaf
+    shown = [(_param_path(k), first[k]) for k in leaves[:MAX_PROBLEMS]]
+    param = shown[0][0] or None
+    if len(leaves) == 1:
+        return bad_request(_problem(*shown[0]) + ".", param=param)
+    more = f"; and {len(leaves) - MAX_PROBLEMS} more" if len(leaves) > MAX_PROBLEMS else ""
+    listed = "; ".join(_problem(p, e) for p, e in shown)
+    return bad_request(f"The request has {len(leaves)} invalid values: {listed}{more}.",
+                       param=param)
+
+
+def from_pydantic(e: ValidationError) -> APIError:
+    """`from_validation` of a model's errors, read without their inputs and links (a body of
+    10^5 bad values has as many errors: this halves the cost of reading them)."""
+    return from_validation(e.errors(include_url=False, include_context=False,
+                                    include_input=False))
+
+
+def _problem(param: str, err: ErrorDetails) -> str:
+    """One pydantic error as a sentence (no final period), its message clipped."""
+    msg = clip(str(err.get("msg", "invalid value")).removeprefix("Value error, "),
+               MAX_PROBLEM_CHARS)
     if err.get("type") == "missing":
-        message = f"Missing required parameter: '{param}'."
-    elif err.get("type") == "json_invalid":
-        return invalid_json(str(err.get("msg", "")))
-    elif err.get("type") == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: '{param}'."
-    elif param:
-        message = f"Invalid value for '{param}': {msg}."
-    else:
-        message = f"Invalid request body: {msg}."
-    return bad_request(message, param=param or None)
+        return f"Missing required parameter: '{param}'"
+    if err.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: '{param}'"
+    if param:
+        return f"Invalid value for '{param}': {msg}"
+    return f"Invalid request body: {msg}"
 
 
 def invalid_json(detail: str) -> APIError:
@@ -145,15 +177,20 @@ def clip(value: str, limit: int = 64) -> str:
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
-def _param_path(loc: list[int | str]) -> str:
-    """('messages', 0, 'content', 'str') -> 'messages[0].content' (drops pydantic's union
-    member tags such as 'str' or 'list[ContentPart]')."""
+def _is_tag(part: str) -> bool:
+    """Whether a location part is pydantic's tag of a union member ('str',
+    'list[ContentPart]', 'function-after[...]') rather than a field or key."""
+    return part in _TYPE_TAGS or "[" in part or "-" in part
+
+
+def _param_path(loc: Sequence[int | str]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'; object keys clipped."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in _TYPE_TAGS and "[" not in str(part) and "-" not in str(part):
-            out += f".{part}" if out else str(part)
+        elif not _is_tag(part):
+            out += f".{clip(part)}" if out else clip(part)
     return out
 
 
@@ -197,7 +234,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValidationError)
     async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
-        return from_validation(exc.errors()).response()
+        return from_pydantic(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

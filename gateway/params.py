@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from engine.protocols import AdapterRegistry
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from gateway.bounds import chat_chars, check_counts, check_prompt_chars, check_schemas
-from gateway.errors import bad_request, model_not_found
+from gateway.errors import bad_request, clip, model_not_found
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import GatewayTokenizer
 from gateway.tools import render_messages, resolve_tools
@@ -240,7 +240,8 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
         try:
             token = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            raise bad_request(f"logit_bias key {clip(key)!r} is not a token id",
+                              "logit_bias") from None
         if not 0 <= token < vocab_size:
             raise bad_request(f"logit_bias token id {token} is out of range", "logit_bias")
         out[token] = value

@@ -19,11 +19,11 @@ from __future__ import annotations
 import re
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from gateway.bounds import MAX_MESSAGES
-from gateway.errors import bad_request
-from gateway.schemas import ChatCompletionRequest
+from gateway.errors import bad_request, clip
+from gateway.schemas import OPEN, ChatCompletionRequest
 from gateway.session_store import Message
 
 Item = dict[str, object]
@@ -34,10 +34,32 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+TEXT: dict[str, object] = {"type": "text"}  # the default `text.format`
+_JSON_KINDS = {str: "a string", list: "an array", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+class TextOptions(BaseModel):
+    """`text`: the output's `format`, an object `{"type": "text" | "json_object" |
+    "json_schema", ...}` (its type is read in `_response_format`)."""
+
+    model_config = OPEN
+
+    format: dict[str, object] = Field(default_factory=lambda: dict(TEXT))
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _an_object(cls, v: object) -> object:
+        if not isinstance(v, dict):
+            got = _JSON_KINDS.get(type(v), type(v).__name__)
+            raise ValueError(f'must be an object such as {{"type": "json_object"}}, not {got}')
+        return v
+
+
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`. Unknown fields are kept and ignored, as for chat completions."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = OPEN
 
     model: str
     input: str | list[Item] = Field(default_factory=list)
@@ -48,7 +70,7 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, object] | None = None
+    text: TextOptions | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -81,8 +103,7 @@ class ResponsesRequest(BaseModel):
 
     @property
     def text_format(self) -> dict[str, object]:
-        fmt = (self.text or {}).get("format")
-        return fmt if isinstance(fmt, dict) else {"type": "text"}
+        return self.text.format if self.text is not None else dict(TEXT)
 
 
 def check_metadata(v: dict[str, str] | None) -> None:
@@ -140,8 +161,8 @@ def input_messages(
                         "tool_call_id": _string(item, "call_id", p),
                         "id": item_id or new_id("fco")})
         else:
-            raise bad_request(f"Input items of type {kind!r} are not supported; use 'message', "
-                              "'function_call' or 'function_call_output'.", f"{p}.type",
+            raise bad_request(f"Input items of type {clip(repr(kind))} are not supported; use "
+                              "'message', 'function_call' or 'function_call_output'.", f"{p}.type",
                               code="unsupported_item_type")
     if origins is not None:
         origins += [len(value) - 1] * (len(out) - len(origins))
@@ -166,8 +187,8 @@ def _parts(content: object, p: str, allowed: tuple[str, ...]) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in allowed:
-            raise bad_request(f"Content parts of type {kind!r} are not supported here; use "
-                              f"{' or '.join(repr(a) for a in allowed)}.", f"{p}[{j}].type",
+            raise bad_request(f"Content parts of type {clip(repr(kind))} are not supported here; "
+                              f"use {' or '.join(repr(a) for a in allowed)}.", f"{p}[{j}].type",
                               code="unsupported_content_type")
         field = "refusal" if kind == "refusal" else "text"
         text = part.get(field) if isinstance(part, dict) else None
@@ -299,8 +320,8 @@ def _chat_message(m: Message) -> dict[str, object]:
 
 def _chat_tool(tool: dict[str, object], i: int) -> dict[str, object]:
     if tool.get("type") != "function":
-        raise bad_request(f"Tools of type {tool.get('type')!r} are not supported; only "
-                          "'function' tools are.", f"tools[{i}].type")
+        raise bad_request(f"Tools of type {clip(repr(tool.get('type')))} are not supported; "
+                          "only 'function' tools are.", f"tools[{i}].type")
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     return {"type": "function", "function": fn}
 
@@ -323,7 +344,7 @@ def _response_format(fmt: dict[str, object]) -> dict[str, object] | None:
     if kind == "json_schema":
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
-    raise bad_request(f"text.format of type {kind!r} is not supported; use 'text', "
+    raise bad_request(f"text.format of type {clip(repr(kind))} is not supported; use 'text', "
                       "'json_object' or 'json_schema'.", "text.format.type")
 
 
@@ -344,7 +365,8 @@ def response_param(param: str | None, history: int = 0,
         return f"input[{origins[i]}]" + (".call_id" if rest == ".tool_call_id" else rest)
     for chat, responses in (("response_format.json_schema", "text.format"),
                             ("response_format", "text.format"), ("messages", "input"),
-                            ("max_completion_tokens", "max_output_tokens")):
+                            ("max_completion_tokens", "max_output_tokens"),
+                            ("max_tokens", "max_output_tokens")):  # the engine's name
         if param.startswith(chat):
             return responses + param[len(chat):]
     return param.replace(".function.", ".") if param.startswith("tools[") else param

@@ -1,9 +1,9 @@
 """OpenAI request bodies (pydantic), validated strictly from the raw JSON.
 
 Unknown fields are kept (`extra="allow"`) and ignored, as OpenAI's own server tolerates new
-client fields. The bodies are only shapes: `model` (base model or adapter), `response_format`,
-`structured_outputs` and `tools` are resolved in gateway/params.py, `session_id` in
-gateway/sessions.py.
+client fields; every float is finite (NaN and Infinity are refused). The bodies are only
+shapes: `model` (base model or adapter), `response_format`, `structured_outputs` and `tools`
+are resolved in gateway/params.py, `session_id` in gateway/sessions.py.
 """
 
 from __future__ import annotations
@@ -12,12 +12,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-_OPEN = ConfigDict(extra="allow", strict=True)
+from gateway.errors import clip
+
+# Strict types; no NaN or Infinity (Python's JSON reads them, and `ge`/`le` let +-inf past a
+# one-sided bound): every float of a request is finite.
+OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 MAX_STOP_CHARS = 512  # stop matching cost grows with the length; keep one request cheap
 
 
 class ContentPart(BaseModel):
-    model_config = _OPEN
+    model_config = OPEN
 
     type: str
     text: str | None = None
@@ -25,14 +29,15 @@ class ContentPart(BaseModel):
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
         if self.type != "text":
-            raise ValueError(f"content parts of type '{self.type}' are not supported; use 'text'")
+            raise ValueError(f"content parts of type '{clip(self.type)}' are not supported; "
+                             "use 'text'")
         if self.text is None:
             raise ValueError("a 'text' content part needs a 'text' field")
         return self
 
 
 class ChatMessage(BaseModel):
-    model_config = _OPEN
+    model_config = OPEN
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -55,7 +60,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = _OPEN
+    model_config = OPEN
 
     include_usage: bool = False
 
@@ -63,7 +68,7 @@ class StreamOptions(BaseModel):
 class _Generation(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = _OPEN
+    model_config = OPEN
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -86,7 +91,7 @@ class _Generation(BaseModel):
     min_tokens: int = Field(0, ge=0)  # vLLM's: EOS and stop_token_ids banned until then
     speculative: bool = True  # False: this request never drafts (--num-speculative-tokens)
     repetition_penalty: float | None = Field(None, gt=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = None  # at most MAX_STOP_TOKEN_IDS (gateway/bounds.py)
 
     # Structured output, parsed into one constraint in gateway/params.py.
     response_format: dict[str, object] | None = None

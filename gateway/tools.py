@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.errors import bad_request
+from gateway.errors import bad_request, clip
 from gateway.schemas import ChatCompletionRequest, ChatMessage
 from grammar.spec import GrammarError
 from grammar.tool_parser import render_call
@@ -61,8 +61,8 @@ def render_messages(
                 raise bad_request("a 'tool' message needs 'tool_call_id'",
                                   f"messages[{i}].tool_call_id")
             if m.tool_call_id not in call_ids:
-                raise bad_request(f"tool_call_id {m.tool_call_id!r} matches no tool call of an "
-                                  "earlier assistant message", f"messages[{i}].tool_call_id")
+                raise bad_request(f"tool_call_id {clip(m.tool_call_id)!r} matches no tool call of "
+                                  "an earlier assistant message", f"messages[{i}].tool_call_id")
         messages.append(_native(role, m.text(), calls, m.tool_call_id) if native
                         else _fallback(role, m.text(), calls, messages))
         reasoning = (m.model_extra or {}).get("reasoning_content")
