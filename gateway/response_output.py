@@ -23,8 +23,8 @@ from gateway.response_items import (
     reasoning_item,
 )
 from grammar.spec import ConstraintSpec
-from grammar.tool_parser import Arguments, CallEnd, CallStart, Event, Text, ToolCallParser
-from grammar.tools import call_format, valid_calls
+from grammar.tool_parser import Arguments, CallEnd, CallStart, Event, Text
+from grammar.tools import tool_parser, valid_calls
 
 Event_ = dict[str, object]  # one Responses stream event
 
@@ -35,7 +35,7 @@ class OutputBuilder:
 
     def __init__(self, spec: ConstraintSpec | None):
         self.spec = spec
-        self.parser = ToolCallParser(call_format(spec)) if spec is not None else None
+        self.parser = tool_parser(spec) if spec is not None else None
         self.items: list[Item] = []
         self._open: int | None = None  # the output index still being written
 
@@ -104,7 +104,12 @@ class OutputBuilder:
         out: list[Event_] = []
         if self._open is None or self.items[self._open]["type"] != "message":
             out += self._close("completed")
-            out += self._add(output_message(new_id("msg"), "", "in_progress"))
+            # Added with no parts (as OpenAI's): the part comes in content_part.added, so a
+            # client's running snapshot (the openai SDK's) holds it once.
+            message = output_message(new_id("msg"), "", "in_progress")
+            message["content"] = []
+            out += self._add(message)
+            message["content"] = [output_text("")]
             out.append({"type": "response.content_part.added", **self._where(),
                         "part": output_text("")})
         part = self._part()

@@ -13,7 +13,7 @@ from gateway.generation import Choice, Generation
 from gateway.tokenizer import GatewayTokenizer
 from grammar.spec import ConstraintSpec
 from grammar.tool_parser import Arguments, CallStart, Event, Text, ToolCallParser
-from grammar.tools import call_format, valid_calls
+from grammar.tools import tool_parser, valid_calls
 
 
 class ChatFormat:
@@ -64,7 +64,7 @@ class ChatFormat:
             return _with_reasoning({"role": "assistant", "content": c.text}, c), c.finish_reason
         # Only a finished ("stop") output was checked by the engine; otherwise keep the
         # complete calls that validate, never a call cut short.
-        parsed = ToolCallParser(call_format(spec))
+        parsed = tool_parser(spec)
         parsed.feed(c.text, final=True)
         calls = valid_calls(spec, parsed.result.calls)
         # No text: `content` is null, as OpenAI's, whether or not a call came out.
@@ -82,7 +82,7 @@ class ChatFormat:
     ) -> list[dict[str, object]]:
         parser = self._parsers.get(choice.index)
         if parser is None:
-            parser = self._parsers[choice.index] = ToolCallParser(call_format(spec))
+            parser = self._parsers[choice.index] = tool_parser(spec)
         deltas = [self._delta(choice.index, e) for e in parser.feed(out.new_text, out.finished)]
         deltas = [d for d in deltas if d]
         if out.new_reasoning_text:  # all of it comes before the answer's first delta

@@ -23,6 +23,11 @@ it finds a call at its fixed header, reads the arguments as one JSON object (tra
 and nesting, so a brace inside a string never ends it) and expects the fixed end marker.
 Streaming and non-streaming use the same parser: the streamed events concatenate to exactly
 what one `feed(text, final=True)` returns.
+
+A forced parser (tool_choice `required` or a named tool, whose grammar admits calls only) never
+emits text: a marker cut short by `max_tokens` at the end (`<tool` after a call) is the start
+of a call that never came, and is dropped. In `auto` mode the same held-back text is released
+as text at the end: free text may contain a prefix of the trigger, and it never became one.
 """
 
 from __future__ import annotations
@@ -138,10 +143,14 @@ class ToolCallParser:
     marker after the arguments) is held back until the next delta settles it; whitespace at the
     end of content is held until non-space text follows, so whitespace before a call and at the
     end is dropped in both modes alike. The separator right after a call is dropped too.
+
+    `forced` (tool_choice `required` or a named tool): the output is calls only. Text other
+    than whitespace makes it malformed and is never emitted; a marker still held back when the
+    output ends (cut by `max_tokens`) is dropped, not released as text.
     """
 
-    def __init__(self, fmt: CallFormat = HERMES) -> None:
-        self.fmt = fmt
+    def __init__(self, fmt: CallFormat = HERMES, forced: bool = False) -> None:
+        self.fmt, self.forced = fmt, forced
         self._buf = ""
         self._state = "text"  # text | head | args | end | sep | bad
         self._space = ""  # held-back trailing whitespace of content
@@ -153,7 +162,7 @@ class ToolCallParser:
         events: list[Event] = []
         while self._step(events, final):
             pass
-        if final and self._state == "bad" and self._buf:
+        if final:  # what is left is a malformed rest or, forced, a marker cut short
             self._buf = ""
         return events
 
@@ -162,14 +171,13 @@ class ToolCallParser:
         buf, calls, fmt = self._buf, self.result.calls, self.fmt
         if self._state == "text":
             i = buf.find(fmt.trigger)
+            n = i if i >= 0 else len(buf) - self._held(buf, fmt.trigger, final)
+            if not self._text(buf[:n], events):
+                return False
+            self._buf = buf[n:]
             if i >= 0:
-                self._text(buf[:i], events)
-                self._buf, self._state = buf[i:], "head"
-                return True
-            keep = 0 if final else _partial_suffix(buf, fmt.trigger)
-            self._text(buf[: len(buf) - keep], events)
-            self._buf = buf[len(buf) - keep:]
-            return False
+                self._state = "head"
+            return i >= 0
         if self._state == "head":
             if len(buf) < len(fmt.head):
                 return self._expect(fmt.head.startswith(buf) and not final, "a call header")
@@ -203,8 +211,8 @@ class ToolCallParser:
         if self._state in ("end", "sep"):
             marker = fmt.end if self._state == "end" else fmt.separator
             if not buf.startswith(marker):
-                if marker.startswith(buf) and not final:
-                    return False  # a prefix of the marker: wait for more
+                if marker.startswith(buf) and (not final or self.forced):
+                    return False  # a prefix of the marker: wait for more (forced: a cut)
                 if self._state == "end":
                     return self._expect(False, f"{marker!r} after the arguments")
                 self._state = "text"  # no separator: free text (or the end) follows
@@ -219,24 +227,38 @@ class ToolCallParser:
 
     def _expect(self, could_still_match: bool, what: str) -> bool:
         if not could_still_match:
-            self._state = "bad"
-            self.result.malformed = f"expected {what} in the {self.fmt.name} call format"
+            self._fail(f"expected {what} in the {self.fmt.name} call format")
         return False
 
-    def _text(self, text: str, events: list[Event]) -> None:
+    def _fail(self, why: str) -> None:
+        self._state = "bad"
+        self.result.malformed = why
+
+    def _held(self, text: str, marker: str, final: bool) -> int:
+        """How much of the end of `text` to hold back as a possible start of `marker`: all of
+        a proper prefix until the output ends; then nothing, but a forced output never lets
+        it out (a call that was cut inside its marker)."""
+        return _partial_suffix(text, marker) if self.forced or not final else 0
+
+    def _text(self, text: str, events: list[Event]) -> bool:
+        """Content outside the calls; False (malformed) for non-space text when forced."""
+        if self.forced and text.strip():
+            self._fail("text outside the tool calls")
+            return False
         if not text:
-            return
+            return True
         text = self._space + text
         body = text.rstrip()
         self._space = text[len(body):]
         if body:
             events.append(Text(body))
             self.result.content = (self.result.content or "") + body
+        return True
 
 
-def parse_tool_output(text: str, fmt: CallFormat = HERMES) -> ParsedOutput:
+def parse_tool_output(text: str, fmt: CallFormat = HERMES, forced: bool = False) -> ParsedOutput:
     """The whole output at once: what the streamed events add up to."""
-    parser = ToolCallParser(fmt)
+    parser = ToolCallParser(fmt, forced)
     parser.feed(text, final=True)
     return parser.result
 

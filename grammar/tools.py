@@ -36,8 +36,8 @@ from grammar.tool_parser import (
     NAME,
     CallFormat,
     ParsedCall,
+    ToolCallParser,
     arguments_error,
-    parse_tool_output,
 )
 
 Mode = Literal["none", "auto", "required"]
@@ -191,13 +191,13 @@ def check_tool_output(spec: ConstraintSpec, text: str) -> str | None:
     its arguments validate against that tool's schema; else a one-line reason."""
     payload = _payload(spec)
     schemas = {t["name"]: t["parameters"] for t in payload["tools"]}
-    out = parse_tool_output(text, call_format(spec))
+    parser = tool_parser(spec)
+    parser.feed(text, final=True)
+    out = parser.result
     if out.malformed:
         return out.malformed
     if payload["mode"] == "required" and not out.calls:
         return "no tool call in the output"
-    if payload["mode"] == "required" and out.content:
-        return "text outside the tool calls"
     if not payload["parallel"] and len(out.calls) > 1:
         return "several tool calls while parallel_tool_calls is false"
     for call in out.calls:
@@ -231,6 +231,12 @@ def validate_instance(schema: JSONSchema, value: object) -> str | None:
         return None
     where = "/".join(str(x) for x in error.absolute_path) or "(root)"
     return f"at {where}: {error.message}"
+
+
+def tool_parser(spec: ConstraintSpec) -> ToolCallParser:
+    """The parser for a `tool_calls` spec's output, in its call format; forced (calls only, no
+    text ever) under `required` or a named tool."""
+    return ToolCallParser(call_format(spec), forced=_payload(spec)["mode"] == "required")
 
 
 def call_format(spec: ConstraintSpec) -> CallFormat:

@@ -177,6 +177,47 @@ def test_check_and_valid_calls() -> None:
     assert "call format" in check_tool_output(llama, '{"name": "now", "parameters": {}]')
 
 
+def _events(text: str, fmt, forced: bool, size: int) -> tuple[list, ToolCallParser]:
+    """The parser's events for `text` fed `size` characters at a time, then the end."""
+    parser = ToolCallParser(fmt, forced)
+    events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])]
+    return events + parser.feed("", final=True), parser
+
+
+@FORMATS
+def test_a_marker_cut_at_the_end_is_never_text_when_forced(fmt) -> None:
+    """max_tokens cut the next call inside its opening marker (or the separator before it):
+    forced (`required`, a named tool) that is no text, streamed or whole; `auto` releases it
+    as the text it is (free text may hold a prefix of the trigger, as vLLM's parsers read it)."""
+    call = fmt.render("add", '{"a": 1, "b": 2}')
+    cuts = [fmt.separator[:k] for k in range(1, len(fmt.separator))]
+    cuts += [fmt.separator + fmt.trigger[:k] for k in range(1, len(fmt.trigger))]
+    for cut in cuts:
+        for size in (1, 3, len(call) + len(cut)):
+            events, parser = _events(call + cut, fmt, True, size)
+            assert not [e for e in events if isinstance(e, Text)], cut
+            out = parser.result
+            assert (out.content, out.malformed) == (None, None), cut
+            assert [(c.name, c.complete) for c in out.calls] == [("add", True)]
+            events, parser = _events(call + cut, fmt, False, size)
+            text = cut.removeprefix(fmt.separator).strip()  # a whole separator is dropped
+            assert "".join(e.text for e in events if isinstance(e, Text)) == text
+            assert parser.result.content == (text or None)
+        assert valid_calls(_spec(fmt=fmt), parse_tool_output(call + cut, fmt, True).calls)
+
+
+@FORMATS
+def test_forced_text_is_malformed_never_emitted(fmt) -> None:
+    call = fmt.render("now", "{}")
+    for text in ("Sure. " + call, call + fmt.separator + "done", fmt.trigger[:3] + "x"):
+        events, parser = _events(text, fmt, True, 2)
+        assert not [e for e in events if isinstance(e, Text)]
+        assert parser.result.malformed == "text outside the tool calls"
+        assert check_tool_output(_spec(fmt=fmt), text) == "text outside the tool calls"
+    whole = parse_tool_output(" \n" + call + "\n", fmt, True)  # whitespace is not text
+    assert (whole.content, whole.malformed, len(whole.calls)) == (None, None, 1)
+
+
 # -- the fallback prompt ----------------------------------------------------------------
 
 
