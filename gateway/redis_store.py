@@ -28,7 +28,8 @@ Keys (all under `switchboard:`):
 
 A replica holds one `Clients`: `text` for everything but adapter files, `files` for those.
 Neither retries a command: a write whose reply was lost may have been applied, and a retried
-RPUSH or HINCRBY would count twice. Callers treat `unreachable()` errors as "Redis is down".
+RPUSH or HINCRBY would count twice. Callers treat every `failures()` error as "the store is
+unavailable" (down, full, read-only): a 503 with Retry-After, never a 500.
 """
 
 from __future__ import annotations
@@ -93,14 +94,6 @@ def connect(url: str, decode: bool = True, timeout_s: float = 5.0) -> Redis:
 def connect_replica(url: str) -> Clients:
     """A replica's clients. Adapters are up to a few hundred MB: their files get 30 s."""
     return Clients(text=connect(url), files=connect(url, decode=False, timeout_s=30.0))
-
-
-def unreachable() -> tuple[type[Exception], ...]:
-    """Redis' "cannot reach the server" errors (imported only once Redis is in use; an
-    `except` clause evaluates this only on an error)."""
-    from redis.exceptions import ConnectionError, TimeoutError
-
-    return ConnectionError, TimeoutError
 
 
 def failures() -> tuple[type[Exception], ...]:

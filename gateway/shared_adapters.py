@@ -23,7 +23,7 @@ from pathlib import Path
 from engine.protocols import AdapterRegistry
 from gateway.adapter_store import AdapterEntry, SharedAdapterStore
 from gateway.errors import APIError, bad_request, clip
-from gateway.redis_store import unreachable
+from gateway.redis_store import failures
 from lora.quota import AdapterQuota, QuotaExceeded
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class SharedAdapters:
         unknown model names creates no locks)."""
         try:
             meta = await self.store.get(tenant, name)
-        except unreachable() as e:
+        except failures() as e:
             log.warning("adapter registry unreachable (%s); using local adapters", e)
             return True
         here = self._local().get(tenant, name) is not None
@@ -172,9 +172,9 @@ def over_quota(e: QuotaExceeded) -> APIError:
 
 @asynccontextmanager
 async def unavailable() -> AsyncIterator[None]:
-    """Redis unreachable -> 503 with Retry-After."""
+    """Redis unreachable, full (`noeviction`) or refusing writes -> 503 with Retry-After."""
     try:
         yield
-    except unreachable() as e:
+    except failures() as e:
         raise APIError(503, f"The adapter registry is unavailable: {e}", "server_error",
                        code="adapter_store_unavailable", headers={"Retry-After": "1"}) from e
