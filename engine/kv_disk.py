@@ -6,8 +6,10 @@ tokens of every page up to and including this one (a page's KV depends on all of
 file holds a header line (format, fingerprint, key, shape, dtype, the payload's sha256) and the
 page's K and V of every layer, `(num_layers, 2, page_size, kv_heads, head_dim)`. A file is
 used only when all of these check out; a page that does not (corrupt, truncated, another
-model, dtype or layout) is counted in `rejected_pages` and ends the read there: the request
-computes the rest. Files are written whole under a temporary name, then renamed.
+model, dtype or layout) is counted in `rejected_pages`, its file deleted and its key dropped
+from the index (so the next write-through of that page writes it again), and it ends the read
+there: the request computes the rest. Files are written whole under a temporary name, then
+renamed; temporary files a crash left behind are deleted at start.
 
 Only sessions are written (their KV, write-through, when a turn ends), from a private host
 snapshot, on one writer thread, which then deletes the least recently used files (by
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import threading
 from array import array
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +34,8 @@ from pathlib import Path
 import torch
 
 MAGIC = b"switchboard-kv-page 1\n"
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(model: dict, dtype: str, page_shape: Sequence[int]) -> str:
@@ -48,9 +54,12 @@ class DiskKV:
         self.dtype = dtype
         self.dir = Path(root) / fingerprint[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
+        for tmp in self.dir.glob(".*.tmp"):  # a write a crash cut short: never renamed
+            tmp.unlink(missing_ok=True)
         self.index: set[str] = {p.stem for p in self.dir.glob("*.kvpage")}  # keys on disk
         self.max_bytes = max_bytes  # None: no bound
         self.nbytes = sum(self._size(k) for k in self.index)
+        self._lock = threading.Lock()  # `index` and `nbytes`: the writer and reader change them
         self.pending: set[str] = set()  # keys being written
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
@@ -86,32 +95,49 @@ class DiskKV:
     def _write(self, keys: list[str], pages: torch.Tensor, ready: Callable[[], None]) -> None:
         ready()
         for key, page in zip(keys, pages, strict=True):
-            payload = page.contiguous().view(torch.uint8).numpy().tobytes()
-            header = {"fingerprint": self.fingerprint, "key": key, "shape": self.page_shape,
-                      "dtype": str(self.dtype), "sha256": hashlib.sha256(payload).hexdigest()}
-            tmp = self.dir / f".{key}.tmp"
-            with tmp.open("wb") as f:
-                f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
-            os.replace(tmp, self.dir / f"{key}.kvpage")
-            self.nbytes += self._size(key)
-            self.index.add(key)
-            self.pending.discard(key)
-            self.pages_written += 1
+            try:
+                self._write_page(key, page)
+            except OSError as e:  # a full or failing disk: the page stays unwritten
+                log.warning("writing KV page file %s failed: %s", key, e)
+                (self.dir / f".{key}.tmp").unlink(missing_ok=True)
+            finally:
+                self.pending.discard(key)
         self._trim()
+
+    def _write_page(self, key: str, page: torch.Tensor) -> None:
+        payload = page.contiguous().view(torch.uint8).numpy().tobytes()
+        header = {"fingerprint": self.fingerprint, "key": key, "shape": self.page_shape,
+                  "dtype": str(self.dtype), "sha256": hashlib.sha256(payload).hexdigest()}
+        tmp = self.dir / f".{key}.tmp"
+        with tmp.open("wb") as f:
+            f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
+        os.replace(tmp, self.dir / f"{key}.kvpage")
+        with self._lock:
+            if key not in self.index:
+                self.nbytes += self._size(key)
+                self.index.add(key)
+        self.pages_written += 1
 
     def _trim(self) -> None:
         """Delete the least recently used files while the folder holds over `max_bytes`."""
         if self.max_bytes is None or self.nbytes <= self.max_bytes:
             return
-        files = sorted(self.dir.glob("*.kvpage"), key=lambda f: f.stat().st_mtime)
+        files = sorted(self.dir.glob("*.kvpage"), key=_mtime)
         for f in files:
             if self.nbytes <= self.max_bytes:
                 break
-            size = f.stat().st_size
-            self.index.discard(f.stem)
-            f.unlink(missing_ok=True)
-            self.nbytes -= size
+            self._drop(f.stem)
             self.pages_deleted += 1
+
+    def _drop(self, key: str) -> None:
+        """Delete `key`'s file and forget it (the file goes first: a key in the index whose
+        file is gone would be rejected by the next read)."""
+        size = self._size(key)
+        (self.dir / f"{key}.kvpage").unlink(missing_ok=True)
+        with self._lock:
+            if key in self.index:
+                self.index.discard(key)
+                self.nbytes -= size
 
     def _size(self, key: str) -> int:
         try:
@@ -123,7 +149,8 @@ class DiskKV:
              before: Callable[[], None]) -> Future:
         """Read `keys`' pages in order, passing each good one to `store(i, page)` on the reader
         thread after `before()` returned; the future's result is how many were good (the read
-        stops at the first that is missing or does not check out)."""
+        stops at the first that is missing or does not check out; that one's file is deleted
+        and its key dropped, so that the page is written again by the next write-through)."""
         return self._reader.submit(self._read, keys, store, before)
 
     def _read(self, keys: list[str], store: Callable[[int, torch.Tensor], None],
@@ -133,6 +160,7 @@ class DiskKV:
             page = self._load(key)
             if page is None:
                 self.rejected_pages += 1
+                self._drop(key)
                 return i
             store(i, page)
             self.pages_read += 1
@@ -163,3 +191,10 @@ class DiskKV:
     def flush(self) -> None:
         """Wait for the writes queued so far (tests, shutdown)."""
         self._writer.submit(lambda: None).result()
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # deleted meanwhile (a rejected page): sorts first, dropped as nothing
+        return 0.0
