@@ -26,14 +26,31 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
+MAX_LISTED = 10  # problems an error lists; the rest are counted
+MAX_PROBLEM_CHARS = 600  # a problem quoting a megabyte-long tensor name is cut in its middle
+
+
 class AdapterError(ValueError):
-    """An adapter folder that cannot be served; `problems` lists everything wrong with it."""
+    """An adapter folder that cannot be served. `problems` lists what is wrong with it, bounded:
+    the first `MAX_LISTED` (each at most `MAX_PROBLEM_CHARS`), then "... and N more" for the
+    rest, `num_problems` in all; a header of 100,000 bogus tensors makes a short 400, not 22 MB."""
 
     def __init__(self, name: str, problems: list[str]) -> None:
         self.name = name
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"adapter {name!r} cannot be loaded ({len(problems)} problems):\n{lines}")
+        self.num_problems = len(problems)
+        self.problems = [_clip(p) for p in problems[:MAX_LISTED]]
+        if len(problems) > MAX_LISTED:
+            self.problems.append(f"... and {len(problems) - MAX_LISTED:,} more")
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"adapter {name!r} cannot be loaded ({self.num_problems:,} problems):\n{lines}")
+
+
+def _clip(problem: str) -> str:
+    if len(problem) <= MAX_PROBLEM_CHARS:
+        return problem
+    half = MAX_PROBLEM_CHARS // 2
+    return f"{problem[:half]} … {problem[-half:]}"
 
 
 @dataclass(frozen=True)
