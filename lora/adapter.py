@@ -3,12 +3,14 @@
 A folder is `adapter_config.json` + `adapter_model.safetensors`; other files (README.md,
 tokenizer files) are ignored. Pickled weights (`.bin`, `.pt`) are refused, never opened, also
 beside a safetensors file.
-Every problem found is reported at once in one `AdapterError`.
+Every problem found is reported at once in one `AdapterError` (the first ten listed, the rest
+counted).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,16 +26,32 @@ if TYPE_CHECKING:
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+MAX_LISTED = 10  # problems an error lists; the rest are counted
+MAX_PROBLEM_CHARS = 600  # a problem quoting a megabyte-long tensor name is cut in its middle
+FLOAT32_SQRT_MAX = math.sqrt(torch.finfo(torch.float32).max)  # ~1.8e19
 
 
 class AdapterError(ValueError):
-    """An adapter folder that cannot be served; `problems` lists everything wrong with it."""
+    """An adapter folder that cannot be served. `problems` lists what is wrong with it, bounded:
+    the first `MAX_LISTED` (each at most `MAX_PROBLEM_CHARS`), then "... and N more" for the
+    rest, `num_problems` in all; a header of 100,000 bogus tensors makes a short 400, not 22 MB."""
 
     def __init__(self, name: str, problems: list[str]) -> None:
         self.name = name
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"adapter {name!r} cannot be loaded ({len(problems)} problems):\n{lines}")
+        self.num_problems = len(problems)
+        self.problems = [_clip(p) for p in problems[:MAX_LISTED]]
+        if len(problems) > MAX_LISTED:
+            self.problems.append(f"... and {len(problems) - MAX_LISTED:,} more")
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"adapter {name!r} cannot be loaded ({self.num_problems:,} problems):\n{lines}")
+
+
+def _clip(problem: str) -> str:
+    if len(problem) <= MAX_PROBLEM_CHARS:
+        return problem
+    half = MAX_PROBLEM_CHARS // 2
+    return f"{problem[:half]} … {problem[-half:]}"
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,43 @@ class LoraAdapter:
         return None if m is None else m.delta()
 
 
+def gain_limit(dtype: torch.dtype) -> float:
+    """The most a LoRA served in `dtype` may grow an input: its products must fit `dtype`, and
+    what it adds to the residual stream is squared in float32 by the next RMSNorm
+    (kernels/fused.py): 1.8e19 in float32 and bfloat16, 65,504 in float16."""
+    return min(torch.finfo(dtype).max, FLOAT32_SQRT_MAX)
+
+
+def check_gain(m: ModuleTensors, a: torch.Tensor, b: torch.Tensor, scale: float) -> str | None:
+    """A problem naming the tensor to blame when `scale * b @ a`, as served (a, b in the serving
+    dtype), can grow an input of elements up to 1 (RMSNorm's scale) past `gain_limit`: finite
+    but huge weights (3e38) whose products overflow in every forward.
+
+    The bound is `scale * ||B|| * ||A||` with ||.|| the largest row sum of magnitudes (it bounds
+    the largest output element for inputs within [-1, 1]); the shrink alone, `||A||`, must stay
+    under it too. Real adapters stay far below (PEFT random inits: 1e2 to 1e3).
+
+    Args:
+        a: [rank, in_features]; b: [out_features, rank].
+    """
+    a_gain = max_row_sum(a)
+    gain = max(a_gain, abs(scale) * max_row_sum(b) * a_gain)
+    limit = gain_limit(a.dtype)
+    if gain <= limit:
+        return None
+    a_max, b_max = a.abs().max().item(), b.abs().max().item()
+    blame, biggest = (m.a.name, a_max) if a_gain > limit or a_max >= b_max else (m.b.name, b_max)
+    return (f"tensor {blame!r} (weights up to {biggest:.3g}): {m.path}'s LoRA (scaling "
+            f"{scale:g}) can grow an input {gain:.3g} times; served in {a.dtype}, at most "
+            f"{limit:.3g} stays finite")
+
+
+def max_row_sum(t: torch.Tensor) -> float:
+    """The largest row sum of magnitudes of a 2-D tensor (its infinity norm), summed in
+    float64: 3e38 weights never overflow the sum."""
+    return t.abs().sum(dim=1, dtype=torch.float64).max().item()
+
+
 def load_adapter(
     path: str | Path,
     base: ModelConfig,
@@ -103,8 +158,9 @@ def load_adapter(
         name: registry name (default: the folder's name).
         dtype: convert the weights to this dtype (default: as stored).
     Raises:
-        AdapterError: listing every problem found (config, tensor names, shapes, dtypes,
-            NaN/Inf, a corrupt or truncated file, pickled weights).
+        AdapterError: listing the problems found (config, tensor names, shapes, dtypes,
+            NaN/Inf, weights whose products overflow the serving dtype (`check_gain`), a
+            corrupt or truncated file, pickled weights).
     """
     folder = Path(path)
     name = name or folder.name
@@ -172,6 +228,8 @@ def load_adapter(
         if not (torch.isfinite(a).all() and torch.isfinite(b * ratio).all()):
             problems.append(f"{weights.name}: {m.path}: lora_A, or lora_B times its scaling "
                             f"ratio {ratio:g}, overflows {a.dtype}")
+        elif (problem := check_gain(m, a, b, scale)) is not None:
+            problems.append(f"{weights.name}: {problem}")
         layers[m.layer][m.module] = LoraModule(a, b, scale)
     if problems:
         raise AdapterError(name, problems)

@@ -113,7 +113,8 @@ def test_pinned_sessions_never_starve_a_request(tiny_dir: Path) -> None:
 # -- one failing request fails alone --------------------------------------------------------
 
 
-def test_a_failing_request_fails_alone(smollm2_dir: Path, tmp_path: Path) -> None:
+def test_a_failing_request_fails_alone(smollm2_dir: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """NaN logits from a real adapter, and an adapter whose file was truncated on disk after it
     was registered: those requests fail with the reason; the others' greedy tokens are the
     ones they get alone. (Grammar faults: tests/test_faults_http.py, on the warm server.)"""
@@ -121,7 +122,12 @@ def test_a_failing_request_fails_alone(smollm2_dir: Path, tmp_path: Path) -> Non
               max_cpu_loras=2)
     broken = save_peft_adapter(smollm2_dir, tmp_path / "broken", seed=1)
     llm.load_adapter("broken", broken)  # registered while healthy, then evicted from memory
-    llm.load_adapter("nan", save_peft_adapter(smollm2_dir, tmp_path / "nan", seed=2, fill=1e30))
+    # Weights of 1e30 are refused where they enter (tests/test_adapter_weights.py); registered
+    # past that check (as before it existed), they make NaN logits: the step's last guard.
+    with monkeypatch.context() as m:
+        m.setattr("lora.adapter.check_gain", lambda *a: None)
+        llm.load_adapter("nan", save_peft_adapter(smollm2_dir, tmp_path / "nan", seed=2,
+                                                  fill=1e30))
     llm.load_adapter("good", save_peft_adapter(smollm2_dir, tmp_path / "good", seed=3))
     weights = broken / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # the disk copy is now truncated

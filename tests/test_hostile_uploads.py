@@ -4,6 +4,7 @@ names the problem, and leaves the adapter store exactly as it was. Against the s
 
 from __future__ import annotations
 
+import json
 import pickle
 import tracemalloc
 from collections.abc import Iterator
@@ -132,6 +133,29 @@ def test_a_sound_upload_is_stored(gateway_server: GatewayServer) -> None:
     auth = {"Authorization": "Bearer sk-test-beta"}
     assert httpx.delete(gateway_server.base_url + "/adapters/sound", headers=auth).is_success
     assert not (gateway_server.adapter_dir / "beta" / "sound").exists()
+
+
+def test_a_hundred_thousand_problems_make_a_short_error(
+        gateway_server: GatewayServer) -> None:
+    """A header listing 100,000 bogus (empty) tensors has a problem each: the 400 lists the
+    first ten and counts the rest, in a body of a few KB (it was 22 MB)."""
+    n = 100_000
+    header = {f"t{'x' * 2000 if i == 0 else ''}{i}": {"dtype": "U8", "shape": [0],
+                                                       "data_offsets": [0, 0]}
+              for i in range(n)}  # the first name 2 KB long: one problem is cut short too
+    weights = safetensors(json.dumps(header, separators=(",", ":")).encode())
+    assert len(weights) < MAX_ADAPTER_BYTES
+    before = store_files(gateway_server)
+    r = post(gateway_server, "many", adapter(weights))
+    assert r.status_code == 400, r.text[:1000]
+    assert len(r.content) < 8192, len(r.content)
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error", "invalid_adapter", "files")
+    message = error["message"]
+    assert message.count("unexpected tensor") == 10 and "... and 99,990 more" in message
+    assert "'t1'" in message and "'t10'" not in message
+    assert store_files(gateway_server) == before
 
 
 def test_claims_never_allocate(tmp_path: Path) -> None:

@@ -166,8 +166,11 @@ def test_missing_files(bad):
 def test_config_rank_differs_from_tensors(bad):
     path, base = bad
     edit_config(path, r=4)
-    problems = problems_of(path, base)
-    assert len(problems) == 14  # 7 projections x 2 layers
+    with pytest.raises(AdapterError) as info:
+        load_adapter(path, base)
+    assert info.value.num_problems == 14  # 7 projections x 2 layers
+    problems = info.value.problems  # the first ten, then the count of the rest
+    assert len(problems) == 11 and problems[-1] == "... and 4 more"
     assert "tensors have rank 8 but adapter_config.json says r=4" in problems[0]
 
 
