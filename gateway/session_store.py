@@ -156,10 +156,8 @@ class RedisStore(SessionStore):
     async def get(self, tenant: str, session_id: str) -> Session | None:
         key = self.prefix + session_id
         async with store_errors("session store"):
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.hgetall(key)
-            pipe.lrange(key + ":messages", 0, -1)
-            meta, messages = await pipe.execute()
+            flat, messages = await self._redis.eval(_GET, 2, key, key + ":messages")
+        meta = dict(zip(flat[::2], flat[1::2], strict=True))
         if not meta or meta.get("tenant") != tenant:
             return None
         ttl = meta.get("ttl_seconds") or None
@@ -210,6 +208,12 @@ class RedisStore(SessionStore):
             pipe.expire(key, session.ttl_seconds)
             pipe.expire(key + ":messages", session.ttl_seconds)
 
+
+# KEYS: the session's hash and list. One consistent read (a MULTI would be refused while Redis
+# is out of memory, even for reads; a read-only script is not).
+_GET = """#!lua flags=no-writes
+return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
 
 # KEYS: the session's hash and list; ARGV: tenant, expected length, TTL (0: none), messages.
 _APPEND_AT = """

@@ -213,7 +213,9 @@ def test_full_redis_is_503_and_nothing_half_written(server: Server, db: redis.Re
         reply = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], **T0)
         assert reply.choices[0].message.content
-        assert len(server.http("GET", f"/v1/sessions/{sid}", "sk-other").json()["messages"]) == 1
+        got = server.http("GET", f"/v1/sessions/{sid}", "sk-other")
+        assert got.status_code == 200, got.text
+        assert len(got.json()["messages"]) == 1
     finally:
         db.config_set("maxmemory", 0)
     reply = client.chat.completions.create(
