@@ -70,6 +70,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        rt.require_alive()
         return {"status": "ok"}
 
     @app.get("/ready")

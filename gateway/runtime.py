@@ -137,6 +137,15 @@ class Runtime:
         if self.draining:
             raise APIError(503, "The server is shutting down; retry shortly.", "server_error",
                            code="server_shutting_down", headers={"Retry-After": "1"})
+        self.require_alive()
+        if not self.ready or self.tokenizer is None or self.facts is None:
+            raise not_ready()
+        return self.tokenizer, self.facts
+
+    def require_alive(self) -> None:
+        """/health: raise 503 once this process can never serve again (the model failed to
+        load, or the engine stopped for good, e.g. a tensor-parallel rank died), so that a
+        liveness probe restarts it. Loading and draining are alive."""
         if self.load_error is not None:
             raise APIError(503, f"The model failed to load: {self.load_error}", "server_error",
                            code="model_load_failed")
@@ -144,9 +153,6 @@ class Runtime:
         if fatal is not None:
             raise APIError(503, f"The engine stopped: {fatal}", "server_error",
                            code="engine_failed")
-        if not self.ready or self.tokenizer is None or self.facts is None:
-            raise not_ready()
-        return self.tokenizer, self.facts
 
     async def compile_grammar(self, spec: ConstraintSpec) -> None:
         """The engine's `compile_grammar` (a cached spec returns at once), timed into the
