@@ -5,6 +5,7 @@ and (once the model is loaded) the tokenizer and engine facts the routes need. W
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 from engine.async_engine import LOAD_STAGES, AsyncEngine
 from gateway.auth import Authenticator
 from gateway.config import ServeConfig
+from gateway.connections import Connections
 from gateway.errors import APIError, not_ready
 from gateway.limits import Seats, SharedLimiter, TenantLimiter
 from gateway.metrics import Metrics
@@ -50,7 +52,8 @@ class Runtime:
                            config.max_queue)
         self.shared_adapters: SharedAdapters | None = (
             self.cluster.adapters if self.cluster else None)
-        self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth)
+        self.connections = Connections(config.connection_limits())  # gateway/server.py's
+        self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth, self.connections)
         self.sessions: SessionStore = self.cluster.sessions if self.cluster else MemoryStore()
         self.tokenizer: GatewayTokenizer | None = None
         self.facts: EngineFacts | None = None
@@ -76,6 +79,7 @@ class Runtime:
             await self.cluster.stop()
         await asyncio.to_thread(self.engine.shutdown)
         await self.sessions.close()
+        gc.unfreeze()  # what the engine held may go now, before the interpreter's exit
 
     def drain(self, timeout: float) -> bool:
         """Stop taking requests (503, /ready too) and wait up to `timeout` s for those in
@@ -106,6 +110,12 @@ class Runtime:
                 validate=self.engine.validate,
                 default_max_tokens=self.config.default_max_tokens,
             )
+            # What is loaded now lives as long as the process: out of the collector's sight, a
+            # full collection walks only what requests and connections make. With 17,000 slow
+            # connections open, one took 600 ms instead of 360 on this CPU (holding the GIL:
+            # every stream and /health waited), and the model's objects alone 220 ms.
+            gc.collect()
+            gc.freeze()
         except Exception as e:
             log.error("model failed to load: %s", e)
             self.load_error = e
