@@ -68,6 +68,8 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def drop(self, reason: str) -> None:
+        if self not in self.guard.members:  # closed already
+            return
         self.guard.dropped[reason] += 1
         self.guard.remove(self)
         self._disarm()
@@ -172,7 +174,7 @@ class ServerThread:
         self.connections.fit_fd_limit(BACKLOG)
         protocol = functools.partial(GuardedProtocol, guard=self.connections)  # called as a class
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=5, backlog=BACKLOG,
+                                timeout_graceful_shutdown=5, backlog=BACKLOG, ws="none",
                                 http=protocol)  # type: ignore[arg-type]
         self.server = uvicorn.Server(config)
         self.host = host
