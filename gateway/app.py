@@ -24,6 +24,7 @@ from gateway.adapters import adapter_model_card, adapter_routes, ensure_adapter,
 from gateway.body import read_body
 from gateway.bounds import check_counts
 from gateway.config import ServeConfig
+from gateway.connections import connection_drop
 from gateway.conversations import AddItems, CreateConversation, conversation_routes
 from gateway.errors import APIError, bad_request, install_error_handlers
 from gateway.generation import Generation
@@ -70,6 +71,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        rt.require_alive()
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -148,6 +150,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAP
                 gen = Generation(
                     rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", plan.jobs, tenant, ticket,
                     rt.metrics, turn.session.id if turn else None,
+                    config.max_stream_buffer_bytes, connection_drop(request.scope),
                 )
                 gen.submit()
             except BaseException:  # also a client gone while planning or compiling

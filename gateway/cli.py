@@ -100,7 +100,8 @@ def serve(args: argparse.Namespace) -> int:
         _error(console, str(e))
         return 2
     app = create_app(cfg)
-    server = ServerThread(app, cfg.host, cfg.port, cfg.log_level)
+    server = ServerThread(app, cfg.host, cfg.port, cfg.log_level,
+                          app.state.runtime.connections)
     try:
         server.start()
     except RuntimeError as e:

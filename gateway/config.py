@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import EMBEDDED_MODEL_NAME, EngineConfig, setting
+from gateway.connections import ConnectionLimits
 from gateway.storage_quota import StorageQuota
 from lora.quota import AdapterQuota
 
@@ -88,6 +89,28 @@ class ServeConfig(EngineConfig):
         "the context)")
     drain_timeout: float = setting(
         30.0, ge=0, metavar="SECONDS", help="on SIGTERM, how long running requests may finish")
+
+    # Connections and slow clients (gateway/connections.py).
+    header_timeout: float = setting(
+        ConnectionLimits.header_timeout, gt=0, metavar="SECONDS", help="a connection that has "
+        "not sent a request's headers this long after it opened (or after the request's first "
+        "byte) is closed with a 408")
+    body_timeout: float = setting(
+        ConnectionLimits.body_timeout, gt=0, metavar="SECONDS", help="time a request body may "
+        "take, plus a second per --body-min-rate bytes received; slower, the connection is "
+        "closed")
+    body_min_rate: int = setting(
+        ConnectionLimits.body_min_rate, ge=1, metavar="BYTES", help="the slowest a long request "
+        "body may arrive, in bytes a second (see --body-timeout)")
+    max_connections: int = setting(
+        ConnectionLimits.max_connections, ge=1, help="open connections at most (lowered at start "
+        "to stay below the open-file limit); beyond it a new connection takes the place of the "
+        "one that has waited longest for its headers, or gets a 503 when every connection has a "
+        "request in flight")
+    max_stream_buffer_bytes: int = setting(
+        2 * 2**20, ge=4096, metavar="BYTES", help="output a request may hold for a client that "
+        "does not read it (about the bytes of its SSE events); past it the request is aborted "
+        "and its connection closed")
 
     # LoRA uploads.
     max_adapter_bytes: int = setting(
@@ -174,6 +197,10 @@ class ServeConfig(EngineConfig):
             else limits.max_storage_bytes,
             self.max_history_bytes,
         )
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.header_timeout, self.body_timeout, self.body_min_rate,
+                                self.max_connections)
 
     def engine_config(self) -> EngineConfig:
         """The engine's part of this config. A server always has an upload store: under the

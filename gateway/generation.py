@@ -4,11 +4,18 @@ stream of outputs, with the accounting that follows them (metrics, tenant tokens
 Lifecycle: `submit()` -> iterate `outputs()` -> `close()` (always, in a `finally`). `close()`
 aborts whatever is unfinished, so a client that goes away frees its KV pages at the engine's
 next step, and releases the tenant's concurrency slot.
+
+A client that stays connected but stops reading a stream stops its writes (uvicorn's flow
+control holds the response's `send` once the socket's and the transport's buffers are full), so
+the engine's outputs queue up in the sink. Past `max_buffered_bytes` of them the generation is
+aborted as if the client had gone, and `drop` resets its connection (a close would wait for the
+unread bytes to drain).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,7 +26,11 @@ from gateway.limits import Ticket
 from gateway.metrics import Metrics
 from gateway.params import Job
 
+log = logging.getLogger(__name__)
+
 DISCONNECT_POLL_S = 0.5
+EVENT_BYTES = 200  # about the JSON around one output's text in an SSE event
+LOGPROB_BYTES = 64  # about one logprob entry (a sampled token's or one of its top ones)
 
 
 @dataclass
@@ -59,13 +70,16 @@ class Generation:
         ticket: Ticket,
         metrics: Metrics,
         session_id: str | None = None,
+        max_buffered_bytes: int | None = None,
+        drop: Callable[[str], None] | None = None,
     ):
         self.engine, self.tenant, self.ticket, self.metrics = engine, tenant, ticket, metrics
         self.session_id = session_id
         self.response_id = response_id
         self.arrival = time.monotonic()
         self.created = int(time.time())
-        self.sink: Sink = asyncio.Queue()
+        self.sink: Sink = OutputQueue(max_buffered_bytes, self._overflow)
+        self.drop = drop  # the connection's (gateway/connections.py), reason -> reset
         self.choices = {f"{response_id}-{job.index}": Choice(job, f"{response_id}-{job.index}")
                         for job in jobs}
         self._submitted = False
@@ -131,6 +145,13 @@ class Generation:
                     self.metrics.finished.labels("abort").inc()
         self.ticket.release()
 
+    def _overflow(self, nbytes: int) -> None:
+        log.warning("%s aborted: its client read nothing while %d bytes of output waited",
+                    self.response_id, nbytes)
+        self.close()
+        if self.drop is not None:
+            self.drop("stream_buffer")
+
     def usage(self) -> dict[str, object]:
         completion = sum(len(c.token_ids) for c in self.choices.values())
         prompt = self._prompt_tokens()
@@ -184,3 +205,33 @@ class Generation:
             n = len(choice.token_ids)
             if n > 1 and choice.first_token_at is not None and choice.last_token_at is not None:
                 self.metrics.tpot.observe((choice.last_token_at - choice.first_token_at) / (n - 1))
+
+
+class OutputQueue(asyncio.Queue[RequestOutput]):
+    """A generation's sink: the engine's outputs its response has not taken yet, weighed in
+    about the bytes they make as SSE events. Past `max_bytes` (None: no bound), `on_overflow`
+    runs once, with the weight queued."""
+
+    def __init__(self, max_bytes: int | None, on_overflow: Callable[[int], None]):
+        super().__init__()
+        self.max_bytes, self.on_overflow = max_bytes, on_overflow
+        self.bytes = 0
+        self.overflowed = False
+
+    def _put(self, item: RequestOutput) -> None:
+        super()._put(item)
+        self.bytes += _weight(item)
+        if self.max_bytes is not None and self.bytes > self.max_bytes and not self.overflowed:
+            self.overflowed = True
+            self.on_overflow(self.bytes)
+
+    def _get(self) -> RequestOutput:
+        item = super()._get()
+        self.bytes -= _weight(item)
+        return item
+
+
+def _weight(out: RequestOutput) -> int:
+    logprobs = sum(1 + len(lp.top) for lp in out.logprobs) if out.logprobs else 0
+    return (EVENT_BYTES + len(out.new_text) + len(out.new_reasoning_text)
+            + LOGPROB_BYTES * logprobs)

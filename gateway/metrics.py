@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.prefix_cache import PrefixCacheStats
 from engine.protocols import EngineStats
+from gateway.connections import REASONS, Connections
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -32,7 +33,8 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats], queue_depth: Callable[[], int]):
+    def __init__(self, stats: Callable[[], EngineStats], queue_depth: Callable[[], int],
+                 connections: Connections | None = None):
         r = self.registry = CollectorRegistry()
         self.in_flight = 0  # API requests being answered (streams until their last byte)
         self.requests = Counter(
@@ -90,9 +92,33 @@ class Metrics:
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
         r.register(_PrefixCacheCollector(stats))
+        if connections is not None:
+            r.register(_ConnectionCollector(connections))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _ConnectionCollector:
+    """The HTTP connections (gateway/connections.py): open, the cap, and those we closed."""
+
+    def __init__(self, connections: Connections):
+        self.connections = connections
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.connections
+        yield GaugeMetricFamily("switchboard_connections_open", "Open HTTP connections",
+                                value=c.open)
+        yield GaugeMetricFamily("switchboard_connections_max", "The cap on open HTTP connections "
+                                "(--max-connections, below the open-file limit)", value=c.cap)
+        dropped = CounterMetricFamily("switchboard_connections_dropped", "HTTP connections the "
+                                      "server closed, by reason: header_timeout, body_timeout, "
+                                      "evicted (its place taken at the cap), refused (at the "
+                                      "cap, all busy), stream_buffer (a client not reading its "
+                                      "stream)", labels=["reason"])
+        for reason in REASONS:
+            dropped.add_metric([reason], c.dropped[reason])
+        yield dropped
 
 
 class _PrefixCacheCollector:

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.adapters import ensure_adapter
 from gateway.auth import Authenticate
 from gateway.body import read_body
+from gateway.connections import connection_drop
 from gateway.errors import APIError, bad_request, store_unavailable
 from gateway.generation import Generation
 from gateway.params import EngineFacts, Plan, plan_chat, resolve_adapter
@@ -85,7 +86,8 @@ def response_routes(rt: Runtime, stores: Stores, authenticate: Authenticate) -> 
                     room = await Reservation(stores.ledger, tenant, entry, nbytes,
                                              stores.ttl_s).take(rt.storage_quota(tenant))
                 gen = Generation(rt.engine, response_id, plan.jobs, tenant, ticket, rt.metrics,
-                                 chain.session.id if pins else None)
+                                 chain.session.id if pins else None,
+                                 rt.config.max_stream_buffer_bytes, connection_drop(request.scope))
                 gen.submit()
             except BaseException:
                 ticket.release()

@@ -5,6 +5,7 @@ and (once the model is loaded) the tokenizer and engine facts the routes need. W
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 from engine.async_engine import LOAD_STAGES, AsyncEngine
 from gateway.auth import Authenticator
 from gateway.config import ServeConfig
+from gateway.connections import Connections
 from gateway.errors import APIError, not_ready
 from gateway.limits import Seats, SharedLimiter, TenantLimiter
 from gateway.metrics import Metrics
@@ -51,7 +53,8 @@ class Runtime:
                            config.max_queue)
         self.shared_adapters: SharedAdapters | None = (
             self.cluster.adapters if self.cluster else None)
-        self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth)
+        self.connections = Connections(config.connection_limits())  # gateway/server.py's
+        self.metrics = Metrics(lambda: self.engine.stats, self.queue_depth, self.connections)
         self.sessions: SessionStore = self.cluster.sessions if self.cluster else MemoryStore()
         self.ledger: Ledger = self.cluster.ledger if self.cluster else MemoryLedger()
         self.tokenizer: GatewayTokenizer | None = None
@@ -78,6 +81,7 @@ class Runtime:
             await self.cluster.stop()
         await asyncio.to_thread(self.engine.shutdown)
         await self.sessions.close()
+        gc.unfreeze()  # what the engine held may go now, before the interpreter's exit
 
     def drain(self, timeout: float) -> bool:
         """Stop taking requests (503, /ready too) and wait up to `timeout` s for those in
@@ -108,6 +112,12 @@ class Runtime:
                 validate=self.engine.validate,
                 default_max_tokens=self.config.default_max_tokens,
             )
+            # What is loaded now lives as long as the process: out of the collector's sight, a
+            # full collection walks only what requests and connections make. With 17,000 slow
+            # connections open, one took 600 ms instead of 360 on this CPU (holding the GIL:
+            # every stream and /health waited), and the model's objects alone 220 ms.
+            gc.collect()
+            gc.freeze()
         except Exception as e:
             log.error("model failed to load: %s", e)
             self.load_error = e
@@ -139,6 +149,15 @@ class Runtime:
         if self.draining:
             raise APIError(503, "The server is shutting down; retry shortly.", "server_error",
                            code="server_shutting_down", headers={"Retry-After": "1"})
+        self.require_alive()
+        if not self.ready or self.tokenizer is None or self.facts is None:
+            raise not_ready()
+        return self.tokenizer, self.facts
+
+    def require_alive(self) -> None:
+        """/health: raise 503 once this process can never serve again (the model failed to
+        load, or the engine stopped for good, e.g. a tensor-parallel rank died), so that a
+        liveness probe restarts it. Loading and draining are alive."""
         if self.load_error is not None:
             raise APIError(503, f"The model failed to load: {self.load_error}", "server_error",
                            code="model_load_failed")
@@ -146,9 +165,6 @@ class Runtime:
         if fatal is not None:
             raise APIError(503, f"The engine stopped: {fatal}", "server_error",
                            code="engine_failed")
-        if not self.ready or self.tokenizer is None or self.facts is None:
-            raise not_ready()
-        return self.tokenizer, self.facts
 
     async def compile_grammar(self, spec: ConstraintSpec) -> None:
         """The engine's `compile_grammar` (a cached spec returns at once), timed into the

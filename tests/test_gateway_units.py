@@ -298,3 +298,26 @@ def test_not_ready_answers_503_while_health_stays_live() -> None:
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         assert r.json()["error"]["code"] == "model_not_ready"
     assert no_key.status_code == 401 and no_key.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_health_fails_once_the_model_failed_to_load(tmp_path: Path) -> None:
+    """Liveness tells the truth: a server that can never serve (here its model is missing)
+    answers /health with a 503 naming why, as /ready does, so that a probe restarts it."""
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.config import ServeConfig
+
+    app = create_app(ServeConfig(model=str(tmp_path / "missing"), cache_dir=tmp_path))
+
+    async def main() -> list[httpx.Response]:
+        async with app.router.lifespan_context(app):
+            await asyncio.to_thread(app.state.runtime.loaded.wait, 60)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+                return [await c.get("/health"), await c.get("/ready")]
+
+    for r in asyncio.run(main()):
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_load_failed" and "unknown model path" in error["message"]

@@ -4,7 +4,7 @@ The embedded SmolLM2 (9 query heads over 3 KV heads: split 1 and 2 over two rank
 peft adapters and a JSON schema in the batch, and a synthetic model with one KV head
 (replicated on both ranks), greedy, equal token for token to `tensor_parallel_size=1`. The
 shards of every weight put back together are the whole model. A worker killed mid-generation
-fails the step at once with the rank named, and a server goes not-ready.
+fails the step at once with the rank named, and a server goes not-ready and not live.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
+import httpx
 import jsonschema
 import pytest
 import torch
@@ -280,3 +282,43 @@ def test_serve_with_two_ranks_answers_the_openai_sdk(tmp_path):
         calls = reply.choices[0].message.tool_calls
         assert calls and calls[0].function.name == "get_weather"
         jsonschema.validate(json.loads(calls[0].function.arguments), weather)
+
+
+def test_health_fails_once_a_rank_dies(tmp_path):
+    """Liveness tells the truth: once a rank dies the engine can never serve again, so
+    /health answers 503 with the reason (and a liveness probe restarts the pod), as /ready
+    and requests do; until then it is 200."""
+    from tests.conftest import serve
+
+    with serve(tmp_path, "--tensor-parallel-size", "2") as server:
+        assert httpx.get(server.url + "/health").status_code == 200
+        os.kill(_rank_pid(tmp_path / "keys.json"), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (r := httpx.get(server.url + "/health")).status_code == 200:
+            assert time.monotonic() < deadline, "/health stayed 200 after the rank died"
+            time.sleep(0.1)
+        assert r.status_code == 503
+        error = r.json()["error"]
+        assert error["code"] == "engine_failed" and "rank 1" in error["message"]
+        assert error["type"] == "server_error"
+        ready = httpx.get(server.url + "/ready")
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "engine_failed"
+
+
+def _rank_pid(keys: Path) -> int:
+    """The pid of rank 1 of the server started with this keys file: its `spawn` child."""
+    def cmdline(pid: str) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            return ""
+
+    def parent(pid: str) -> str:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            return ""
+
+    pids = [p.name for p in Path("/proc").iterdir() if p.name.isdigit()]
+    server = next(p for p in pids if " serve " in cmdline(p) and str(keys) in cmdline(p))
+    return int(next(p for p in pids if parent(p) == server and "spawn_main" in cmdline(p)))
