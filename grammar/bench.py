@@ -6,6 +6,10 @@ GrammarCompiler (capped worker, fallback chain); serialise each instance with
 one at a time, filling the bitmask before each. An instance is accepted when every token is in
 the mask and accepted, and the stop token is then allowed and accepted. A case passes when it
 compiles, every valid instance is accepted and every invalid one rejected.
+
+A failing case carries a one-line reason (the first token refused, or jsonschema's reason an
+accepted instance is invalid, or the backends' errors); `--report` writes them as a Markdown
+table (grammar/bench_report.py).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class CaseResult:
     backend: str | None = None  # the backend that compiled it
     compile_ms: float | None = None
     mask_us: list[float] = field(default_factory=list, repr=False)
-    detail: str = ""
+    detail: str = ""  # why it failed, one line of Markdown (bench_report's reasons)
 
 
 def case_files(paths: list[str]) -> list[Path]:
@@ -124,6 +128,7 @@ def check_case(
     bitmask: torch.Tensor,
     stop: int,
 ) -> CaseResult:
+    from grammar.bench_report import accepted_invalid, refused_valid
     from grammar.spec import GrammarError
 
     try:
@@ -132,31 +137,38 @@ def check_case(
         grammar = fut.result()
     except GrammarError as e:
         status = "timeout" if "took over the" in e.message else "compile_error"
-        return CaseResult(name, status, detail=e.message[:300])
+        return CaseResult(name, status, detail=e.message)
     result = CaseResult(name, "pass", grammar.backend, grammar.compile_ms)
     for k, test in enumerate(case["tests"]):
         text = json.dumps(test["data"], ensure_ascii=False)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        if accepts(grammar.matcher(), ids, stop, bitmask, result.mask_us) != test["valid"]:
+        at = refused_at(grammar.matcher(), ids, stop, bitmask, result.mask_us)
+        if (at is None) != test["valid"]:
             result.status = "validation_error"
-            verb = "rejected valid" if test["valid"] else "accepted invalid"
-            result.detail = f"{verb} instance {k}: {text[:120]}"
+            result.detail = (
+                accepted_invalid(k, test["data"], text, case["schema"])
+                if at is None
+                else refused_valid(k, test["data"], text, ids, at, tokenizer, case["schema"])
+            )
             break
     return result
 
 
-def accepts(
+def refused_at(
     m: Matcher, ids: list[int], stop: int, bitmask: torch.Tensor, mask_us: list[float]
-) -> bool:
-    """Feed `ids` then `stop`, filling the mask before each (timed into `mask_us`)."""
+) -> int | None:
+    """Feed `ids` then `stop`, filling the mask before each (timed into `mask_us`). None when
+    all are accepted and the matcher terminates (the instance is accepted), else the index in
+    `[*ids, stop]` of the first token refused (`len(ids)`: the stop token, the grammar wants
+    more)."""
     words = bitmask[0].numpy()  # a view: sees each fill
-    for t in [*ids, stop]:
+    for i, t in enumerate([*ids, stop]):
         t0 = time.perf_counter_ns()
         m.fill_bitmask(bitmask, 0)
         mask_us.append((time.perf_counter_ns() - t0) / 1e3)
         if not (int(words[t >> 5]) >> (t & 31)) & 1 or not m.accept(t):
-            return False
-    return m.is_terminated()
+            return i
+    return None if m.is_terminated() else len(ids)
 
 
 def summarize(results: list[CaseResult], backend: str) -> dict[str, object]:
@@ -210,7 +222,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tokenizer = load_tokenizer(args.tokenizer)
     results: list[CaseResult] = []
-    report = open(args.report, "w", buffering=1) if args.report else None  # noqa: SIM115
     cases = run_cases(files, tokenizer, backends, args.timeout, args.memory_mb or None)
     if args.json:
         progress = None
@@ -223,22 +234,30 @@ def run(args: argparse.Namespace) -> int:
     try:
         for r in cases:
             results.append(r)
-            if report:
-                row = {k: v for k, v in r.__dict__.items() if k != "mask_us"}
-                report.write(json.dumps(row | {"masks": len(r.mask_us)}) + "\n")
             if progress:
                 progress.update(task, advance=1)
     finally:
         if progress:
             progress.stop()
-        if report:
-            report.close()
+    if args.report:
+        write_report(args.report, results, args.backend)
     summary = summarize(results, args.backend)
     if args.json:
         print(json.dumps(summary))
     else:
         print_table(summary)
     return 0
+
+
+def write_report(path: str, results: list[CaseResult], backend: str) -> None:
+    """The failing cases' Markdown table to the file `path` ("-": stdout)."""
+    from grammar.bench_report import markdown
+
+    text = markdown(results, backend)
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -248,7 +267,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="only the first N cases")
     p.add_argument("--timeout", type=float, default=10.0, help="compile limit per backend, s")
     p.add_argument("--memory-mb", type=int, default=2048, help="compile memory cap (0: none)")
-    p.add_argument("--report", default=None, help="write one JSON line per case here")
+    p.add_argument("--report", nargs="?", const="-", default=None, metavar="FILE",
+                   help="write the failing cases, each with a one-line reason, as a Markdown "
+                   "table to FILE (no FILE: stdout)")
     p.add_argument("--tokenizer", default=None,
                    help="HF folder of the tokenizer (`switchboard grammar-bench`: the embedded)")
 

@@ -39,7 +39,7 @@ def check_output(spec: ConstraintSpec, text: str) -> str | None:
         except json.JSONDecodeError as e:
             return f"output is not JSON: {e}"
         schema = spec.schema()
-        cls = _validator(
+        cls = with_safe_patterns(
             jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         )
         try:
@@ -74,7 +74,7 @@ def _matches(pattern: str, text: str, full: bool) -> bool | None:
 
 
 @functools.cache
-def _validator(cls: type[Validator]) -> type[Validator]:
+def with_safe_patterns(cls: type[Validator]) -> type[Validator]:
     """`cls` with its `pattern` keyword checked by `_matches`."""
 
     def pattern(validator, patrn, instance, schema):  # noqa: ANN001, ANN202 - jsonschema's
