@@ -77,7 +77,12 @@ def schema_error(schema: object, value: object) -> str | None:
         return f"jsonschema cannot check it ({type(e).__name__}: {clip(str(e), MAX_MESSAGE)})"
     if error is None:
         return None
-    return f"{error.validator} at {error.json_path}: {clip(error.message, MAX_MESSAGE)}"
+    # The message opens with the instance's repr and ends with the verdict: keep both ends.
+    message = re.sub(r"\s*\n\s*", " ", error.message)
+    if len(message) > MAX_MESSAGE:
+        half = MAX_MESSAGE // 2
+        message = message[: half - 1] + "…" + message[-half:]
+    return f"{error.validator} at {error.json_path}: {message}"
 
 
 def around(text: str, offset: int) -> str:

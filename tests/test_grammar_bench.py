@@ -148,3 +148,13 @@ def test_report_without_file_goes_to_stdout(capsys):
         "| b | timeout | — | cannot compile this JSON schema: xgrammar: took over |",
         "| a | validation_error | xgrammar | valid instance 0 refused |",
     ]
+
+
+def test_a_long_jsonschema_message_keeps_its_verdict():
+    from grammar.bench_report import MAX_MESSAGE, schema_error
+
+    why = schema_error({"oneOf": [{"type": "object"}, {"required": ["a"]}]}, {"a": "x" * 300})
+    assert why is not None and why.startswith("oneOf at $: {'a': 'xxx")
+    assert "…" in why and "is valid under each of" in why
+    assert len(why) <= len("oneOf at $: ") + MAX_MESSAGE
+    assert schema_error({"type": "integer"}, 3) is None
