@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 CONTEXT = 30  # characters of JSON shown on each side of a refused token
 CARET = "‸"  # marks the refusal point in that JSON
 MAX_MESSAGE = 160  # characters of a jsonschema message
+MAX_REPR = 40  # characters of the instance's repr that opens it
 MAX_INSTANCE = 100  # characters of an accepted invalid instance
 MAX_REASON = 600  # characters of a whole reason (backend errors can run long)
 
@@ -77,12 +78,11 @@ def schema_error(schema: object, value: object) -> str | None:
         return f"jsonschema cannot check it ({type(e).__name__}: {clip(str(e), MAX_MESSAGE)})"
     if error is None:
         return None
-    # The message opens with the instance's repr and ends with the verdict: keep both ends.
-    message = re.sub(r"\s*\n\s*", " ", error.message)
-    if len(message) > MAX_MESSAGE:
-        half = MAX_MESSAGE // 2
-        message = message[: half - 1] + "…" + message[-half:]
-    return f"{error.validator} at {error.json_path}: {message}"
+    # Most messages open with the instance's repr, then the verdict: cut the repr first.
+    message, head = error.message, repr(error.instance)
+    if message.startswith(head) and len(head) > MAX_REPR:
+        message = head[: MAX_REPR - 1] + "…" + message[len(head) :]
+    return f"{error.validator} at {error.json_path}: {clip(message, MAX_MESSAGE)}"
 
 
 def around(text: str, offset: int) -> str:

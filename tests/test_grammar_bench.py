@@ -153,8 +153,9 @@ def test_report_without_file_goes_to_stdout(capsys):
 def test_a_long_jsonschema_message_keeps_its_verdict():
     from grammar.bench_report import MAX_MESSAGE, schema_error
 
-    why = schema_error({"oneOf": [{"type": "object"}, {"required": ["a"]}]}, {"a": "x" * 300})
+    schema = {"oneOf": [{"type": "object"}, {"required": ["a"]}]}
+    why = schema_error(schema, {"a": "x" * 300})
     assert why is not None and why.startswith("oneOf at $: {'a': 'xxx")
-    assert "…" in why and "is valid under each of" in why
+    assert "x… is valid under each of {" in why
     assert len(why) <= len("oneOf at $: ") + MAX_MESSAGE
-    assert schema_error({"type": "integer"}, 3) is None
+    assert schema_error(schema, {"b": 1}) is None
