@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from grammar.backend import Backend, CompiledGrammar, Unsatisfiable
 from grammar.backends import BACKEND_NAMES, make_backend
+from grammar.normalize import normalize_spec
 from grammar.spec import ConstraintSpec, GrammarError
 from grammar.vocab import TokenVocab
 from grammar.worker import MAX_ARTIFACT_BYTES, CompileWorker
@@ -145,7 +146,8 @@ class GrammarCompiler:
     def _compile(self, spec: ConstraintSpec, key: tuple[str, str]) -> CompiledGrammar:
         """Compile `spec`, then charge its cache entry (a failure keeps only the spec)."""
         try:
-            grammar = self._try_backends(spec)
+            # Every backend compiles the normalized schema; its contradictions stop here.
+            grammar = replace(self._try_backends(normalize_spec(spec)), spec=spec)
         except GrammarError:
             self._charge(key, _text_bytes(spec))
             raise
