@@ -278,8 +278,9 @@ def check_conjuncts(parts: list[Part], at: Path, param: str | None) -> list[str]
     _check_values(objs, types, at, param)
     if allows(types, "number"):
         _check_numbers(objs, types, at, param)
+    contains = any("contains" in s for s, _ in objs)  # min/maxContains bind nothing without
     for lo_key, hi_key, kind in LENGTHS:
-        if allows(types, kind):
+        if allows(types, kind) and (contains or lo_key != "minContains"):
             _check_length(objs, lo_key, hi_key, at, param)
     if allows(types, "object"):
         _check_required(objs, at, param)
