@@ -85,7 +85,9 @@ def normalize_schema(schema: JSONSchema, param: str | None = None) -> JSONSchema
         return schema
     n = _Normalizer(schema)
     check_schema(schema, param, n.legacy, lambda: n.opaque)
-    return n.node(schema, ())
+    out = n.node(schema, ())
+    assert isinstance(out, dict)
+    return out
 
 
 def _dumps(value: object) -> str:
