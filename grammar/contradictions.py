@@ -27,12 +27,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import unquote
 
 from grammar.spec import GrammarError, JSONSchema
 
 Path = tuple[str, ...]
 Part = tuple[object, Path]  # a schema that must hold, and where it is
+Obj = tuple[dict[str, Any], Path]  # one that is an object
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated",
                          "readOnly", "writeOnly"})  # fmt: skip
 MAX_VISITS = 1_024  # places `check_schema` looks at; past them it stops looking
@@ -96,8 +98,8 @@ def has_type(value: object, types: list[str]) -> bool:
     if isinstance(value, int | float):
         whole = isinstance(value, int) or value.is_integer()
         return "number" in types or ("integer" in types and whole)
-    kind = {str: "string", list: "array", dict: "object"}.get(type(value))
-    return kind in types
+    kinds: dict[type, str] = {str: "string", list: "array", dict: "object"}
+    return kinds.get(type(value)) in types
 
 
 def value_key(value: object) -> object:
@@ -273,20 +275,21 @@ def check_conjuncts(parts: list[Part], at: Path, param: str | None) -> list[str]
     """Raise GrammarError when the schemas of `parts`, which must all hold at `at`, contradict
     each other (or one contradicts itself); else return the types they allow (None: any).
     Parts that are not objects are skipped."""
-    objs = [(s, p) for s, p in parts if isinstance(s, dict)]
+    objs: list[Obj] = [(s, p) for s, p in parts if isinstance(s, dict)]
     types = _check_types(objs, at, param)
     _check_values(objs, types, at, param)
     if allows(types, "number"):
         _check_numbers(objs, types, at, param)
+    contains = any("contains" in s for s, _ in objs)  # min/maxContains bind nothing without
     for lo_key, hi_key, kind in LENGTHS:
-        if allows(types, kind):
+        if allows(types, kind) and (contains or lo_key != "minContains"):
             _check_length(objs, lo_key, hi_key, at, param)
     if allows(types, "object"):
         _check_required(objs, at, param)
     return types
 
 
-def _check_types(objs: list[Part], at: Path, param: str | None) -> list[str] | None:
+def _check_types(objs: list[Obj], at: Path, param: str | None) -> list[str] | None:
     types: list[str] | None = None
     seen: list[tuple[object, Path]] = []
     for s, p in objs:
@@ -302,7 +305,7 @@ def _check_types(objs: list[Part], at: Path, param: str | None) -> list[str] | N
     return types
 
 
-def _check_values(objs: list[Part], types: list[str] | None, at: Path, param: str | None) -> None:
+def _check_values(objs: list[Obj], types: list[str] | None, at: Path, param: str | None) -> None:
     values: list[object] | None = None
     last = ""
     for s, p in objs:
@@ -323,7 +326,7 @@ def _check_values(objs: list[Part], types: list[str] | None, at: Path, param: st
         raise refuse(at, f"{last}: no value has type {_show(types)}", param)
 
 
-def _check_numbers(objs: list[Part], types: list[str] | None, at: Path, param: str | None) -> None:
+def _check_numbers(objs: list[Obj], types: list[str] | None, at: Path, param: str | None) -> None:
     # (bound, exclusive, what, where) from every part; draft-04 exclusives are booleans.
     lows: list[tuple[float, bool, str, Path]] = []
     highs: list[tuple[float, bool, str, Path]] = []
@@ -331,10 +334,10 @@ def _check_numbers(objs: list[Part], types: list[str] | None, at: Path, param: s
         for key, ex_key, out in (("minimum", "exclusiveMinimum", lows),
                                  ("maximum", "exclusiveMaximum", highs)):
             v, ex = s.get(key), s.get(ex_key)
-            if _number(v):
+            if isinstance(v, int | float) and not isinstance(v, bool):
                 what = f"{key} {v}" + (f" ({ex_key}: true)" if ex is True else "")
                 out.append((v, ex is True, what, p))
-            if _number(ex):
+            if isinstance(ex, int | float) and not isinstance(ex, bool):
                 out.append((ex, True, f"{ex_key} {ex}", p))
     for lo, lo_ex, lo_what, lo_at in lows:
         for hi, hi_ex, hi_what, hi_at in highs:
@@ -349,7 +352,7 @@ def _check_numbers(objs: list[Part], types: list[str] | None, at: Path, param: s
                              f"{pointer(last[2])} leave no integer between them", param)
 
 
-def _check_length(objs: list[Part], lo_key: str, hi_key: str, at: Path, param: str | None) -> None:
+def _check_length(objs: list[Obj], lo_key: str, hi_key: str, at: Path, param: str | None) -> None:
     lows = [(s[lo_key], p) for s, p in objs if _number(s.get(lo_key))]
     highs = [(s[hi_key], p) for s, p in objs if _number(s.get(hi_key))]
     if lows and highs:
@@ -360,7 +363,7 @@ def _check_length(objs: list[Part], lo_key: str, hi_key: str, at: Path, param: s
                              f"{pointer(hi_at)}", param)
 
 
-def _check_required(objs: list[Part], at: Path, param: str | None) -> None:
+def _check_required(objs: list[Obj], at: Path, param: str | None) -> None:
     required: dict[str, Path] = {}
     for s, p in objs:
         names = s.get("required")

@@ -46,7 +46,7 @@ def absorb(
     cannot merge."""
     if UNMERGEABLE & b.keys() or not _objects_agree(base, b):
         return False
-    groups = GROUPS
+    groups: tuple[frozenset[str], ...] = GROUPS
     if any(isinstance(s.get(k), bool) for s in (base, b)
            for k in ("exclusiveMinimum", "exclusiveMaximum")):
         groups += LEGACY_BOUNDS
@@ -66,12 +66,15 @@ def absorb(
             return False
         updates[k] = new
     base.update(updates)
-    if "const" in base and isinstance(base.get("enum"), list):
-        if value_key(base["const"]) in {value_key(v) for v in base["enum"]}:
+    enum = base.get("enum")
+    if "const" in base and isinstance(enum, list):
+        if value_key(base["const"]) in {value_key(v) for v in enum}:
             del base["enum"]  # it adds nothing to the const
-    if isinstance(b.get("allOf"), list):
-        kept += b["allOf"]
+    nested = b.get("allOf")
+    if isinstance(nested, list):
+        kept += nested
     return True
+
 
 def _meet(
     k: str, old: object, new: object, base: dict[str, object],
@@ -81,12 +84,14 @@ def _meet(
     branch's); None where there is none to write."""
     if k == "type":
         a, c = types_of(old), types_of(new)
-        both = meet(a, c) if a and c else None
-        return (both[0] if len(both) == 1 else both) if both else None
+        types = meet(a, c) if a and c else None
+        return (types[0] if len(types) == 1 else types) if types else None
     if k in LOWER or k in UPPER:
-        if not _number(old) or not _number(new):
+        if not isinstance(old, int | float) or not isinstance(new, int | float):
+            return None  # (or a draft-04 boolean exclusive)
+        if isinstance(old, bool) or isinstance(new, bool):
             return None
-        return max(old, new) if k in LOWER else min(old, new)  # type: ignore[type-var]
+        return max(old, new) if k in LOWER else min(old, new)
     if k == "enum" and isinstance(old, list) and isinstance(new, list):
         keys = {value_key(v) for v in new}
         return [v for v in old if value_key(v) in keys] or None
@@ -163,7 +168,3 @@ def _same_group(base: dict[str, object], b: dict[str, object], group: frozenset[
 def same(a: object, b: object) -> bool:
     """JSON equality (Python's `==` also has 1 == true, so it only rules out)."""
     return a is b or (a == b and value_key(a) == value_key(b))
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -85,7 +85,9 @@ def normalize_schema(schema: JSONSchema, param: str | None = None) -> JSONSchema
         return schema
     n = _Normalizer(schema)
     check_schema(schema, param, n.legacy, lambda: n.opaque)
-    return n.node(schema, ())
+    out = n.node(schema, ())
+    assert isinstance(out, dict)
+    return out
 
 
 def _dumps(value: object) -> str:
@@ -135,7 +137,8 @@ class _Normalizer:
             if k in ANNOTATIONS or (k == "$schema" and path and "$id" not in x):
                 changed = True
                 continue
-            if not isinstance(v, dict | list | bool):
+            t = type(v)
+            if t is not dict and t is not list and t is not bool:
                 out[k] = v
                 continue
             nv = self._child(k, v, path)
@@ -309,24 +312,28 @@ def ref_targets(node: object) -> tuple[set[Path], bool]:
     targets: set[Path] = set()
     opaque = False
     stack = [node]
-    while stack:
+    push = stack.append
+    while stack:  # a hot loop on large schemas: `type(...) is` over isinstance
         x = stack.pop()
-        if isinstance(x, list):
-            stack.extend(v for v in x if isinstance(v, dict | list))
+        if type(x) is list:
+            for v in x:
+                if type(v) is dict or type(v) is list:
+                    push(v)
             continue
         assert isinstance(x, dict)
-        for key in _REF_OR_ID.intersection(x):
-            value = x[key]
-            if not isinstance(value, str):
-                continue
-            if key in ("$id", "id"):  # a new base URI below the root (`id` up to draft 4)
-                opaque |= x is not node and not value.startswith("#")
-            elif value.startswith("#/") or value == "#":
-                targets.add(path_of(value[1:]))
-            elif "#/" in value or not value.startswith("#"):
-                opaque = True
-        stack.extend(v for k, v in x.items() if isinstance(v, dict | list)
-                     and k not in DATA_KEYWORDS)
+        for k, v in x.items():
+            t = type(v)
+            if t is str:
+                if k not in _REF_OR_ID:
+                    continue
+                if k in ("$id", "id"):  # a new base URI below the root (`id` up to draft 4)
+                    opaque |= x is not node and not v.startswith("#")
+                elif v.startswith("#/") or v == "#":
+                    targets.add(path_of(v[1:]))
+                elif "#/" in v or not v.startswith("#"):
+                    opaque = True
+            elif (t is dict or t is list) and k not in DATA_KEYWORDS:
+                push(v)
     return targets, opaque
 
 

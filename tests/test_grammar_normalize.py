@@ -215,6 +215,8 @@ CONTRADICTIONS = [
      ["minLength 5", "maxLength 2", "/properties/name"]),
     ({"allOf": [{"minItems": 3}, {"maxItems": 1}]}, ["minItems 3", "maxItems 1", "/allOf/1"]),
     ({"minProperties": 2, "maxProperties": 1}, ["minProperties 2", "maxProperties 1"]),
+    ({"contains": {"type": "integer"}, "minContains": 3, "maxContains": 1},
+     ["minContains 3", "maxContains 1"]),
     ({"required": ["a", "b"], "maxProperties": 1}, ["required", "maxProperties", "1"]),
     ({"enum": ["a", "b"], "const": "c"}, ["const", '"c"', "enum", "(root)"]),
     ({"allOf": [{"enum": [1, 2]}, {"enum": [3]}]}, ["enum [1, 2]", "enum [3]", "/allOf/1"]),
@@ -265,6 +267,7 @@ NOT_CONTRADICTIONS = [
     {"type": "string", "minimum": 5, "maximum": 1},
     {"type": "integer", "minLength": 5, "maxLength": 1},
     {"type": "string", "required": ["a"], "maxProperties": 0},
+    {"type": "array", "minContains": 3, "maxContains": 1},  # no `contains`: they bind nothing
     # equal bounds, both inclusive; 1.0 is an integer
     {"type": "integer", "minimum": 1, "maximum": 1, "enum": [1.0]},
 ]  # fmt: skip
