@@ -46,7 +46,7 @@ def check_output(spec: ConstraintSpec, text: str) -> str | None:
             error = jsonschema.exceptions.best_match(
                 cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value)
             )
-        except re.error:  # a patternProperties key `re` does not read: trust the matcher
+        except re.error:  # a key of unevaluatedProperties' patterns `re` does not read
             return None
         if error is not None:
             where = "/".join(str(x) for x in error.absolute_path) or "(root)"
@@ -75,10 +75,42 @@ def _matches(pattern: str, text: str, full: bool) -> bool | None:
 
 @functools.cache
 def with_safe_patterns(cls: type[Validator]) -> type[Validator]:
-    """`cls` with its `pattern` keyword checked by `_matches`."""
+    """`cls` with its `pattern`, `patternProperties` and `additionalProperties` keywords
+    matching names and strings by `_matches`. A name whose match Python cannot tell is
+    trusted to the matcher alone (neither the pattern's subschema nor additionalProperties
+    is checked on it), rather than the whole output."""
 
     def pattern(validator, patrn, instance, schema):  # noqa: ANN001, ANN202 - jsonschema's
         if validator.is_type(instance, "string") and _matches(patrn, instance, False) is False:
             yield jsonschema.ValidationError(f"{instance!r} does not match {patrn!r}")
 
-    return jsonschema.validators.extend(cls, {"pattern": pattern})
+    def pattern_properties(validator, patterns, instance, schema):  # noqa: ANN001, ANN202
+        if not validator.is_type(instance, "object"):
+            return
+        for patrn, subschema in patterns.items():
+            for name, value in instance.items():
+                if _matches(patrn, name, False):
+                    yield from validator.descend(value, subschema, path=name, schema_path=patrn)
+
+    def additional_properties(validator, extra, instance, schema):  # noqa: ANN001, ANN202
+        if not validator.is_type(instance, "object"):
+            return
+        names = schema.get("properties", {})
+        patterns = schema.get("patternProperties", {})
+        extras = [n for n in instance if n not in names
+                  and all(_matches(p, n, False) is False for p in patterns)]  # fmt: skip
+        if validator.is_type(extra, "object"):
+            for name in extras:
+                yield from validator.descend(instance[name], extra, path=name)
+        elif extra is False and extras:
+            listed = ", ".join(repr(n) for n in sorted(extras))
+            yield jsonschema.ValidationError(f"additional properties are not allowed ({listed})")
+
+    return jsonschema.validators.extend(
+        cls,
+        {
+            "pattern": pattern,
+            "patternProperties": pattern_properties,
+            "additionalProperties": additional_properties,
+        },
+    )

@@ -227,7 +227,7 @@ def test_forced_continuation(backends, walker: Walker):
 
 
 # A Glaive tool's shape: "either these keys or those", where an object with both would match
-# two branches. Backends read oneOf as anyOf; the rewrite makes the branches disjoint.
+# two branches. Backends read oneOf as anyOf; the rewrite makes the branches disjoint, exactly.
 VOLUME = {
     "type": "object",
     "properties": {
@@ -246,12 +246,14 @@ VOLUME = {
 
 def test_disjoint_one_of_rewrite():
     branches = VOLUME["properties"]["dims"]["oneOf"]
+    obj = {"type": "object"}
     assert disjoint_one_of(branches) == [  # {radius, height} always matches {radius} too
-        {"required": ["length"], "properties": {"height": False, "radius": False}},
-        {"required": ["radius"], "properties": {"height": False, "length": False}},
-    ]
+        {**obj, "required": ["length"], "properties": {"radius": False}},
+        {**obj, "required": ["radius"], "properties": {"height": False, "length": False}},
+    ]  # {length, height} matches the first branch alone: height is not forbidden there
     assert disjoint_one_of([{"required": ["a"]}, {"type": "object"}]) is None
-    assert disjoint_one_of([{"required": ["a"]}, {"required": ["a"]}]) is None  # never alone
+    # Both hold or neither: nothing satisfies this oneOf (a non-object satisfies both too).
+    assert disjoint_one_of([{"required": ["a"]}, {"required": ["a"]}]) == [False]
 
 
 @pytest.mark.parametrize("backend_name", ["llguidance", "llguidance-relaxed"])
@@ -262,6 +264,7 @@ def test_one_of_required_branches_stay_exclusive(
     stop = walker.vocab.stop_token_ids[0]
     backend = backends[backend_name]
     for text, valid in [('{"dims": {"radius": 2}}', True), ('{"dims": {"length": 1}}', True),
+                        ('{"dims": {"length": 1, "height": 3}}', True),
                         ('{"dims": {"length": 1, "radius": 2}}', False),
                         ('{"dims": {"radius": 2, "height": 3}}', False)]:  # fmt: skip
         assert (check_output(spec, text) is None) == valid, text

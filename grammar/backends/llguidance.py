@@ -35,7 +35,7 @@ JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_pattern": f"[ ]{{1,{JSON_MAX_WHITESPACE}}}",
 }
 SCHEMA_KINDS = ("json_object", "json_schema", "tool_calls")  # rewritten and retried
-MAX_RETRIES = 8  # rewrites of one schema (unknown formats, relaxed keywords)
+MAX_RETRIES = 8  # rewrites of one schema (unknown formats, overlaps, cycles, relaxed keywords)
 # Keywords that only ever rule instances out: without them a schema allows a superset.
 RESTRICTING = frozenset(
     {"not", "uniqueItems", "dependencies", "dependentRequired", "dependentSchemas", "if",
@@ -173,18 +173,33 @@ class LLGuidanceBackend(Backend):
             if self.relaxed:
                 raise BackendError("relaxed mode applies to JSON schemas only")
             return self._check(to_llguidance(spec))
+        return self.compile_schemas(spec)[0]
+
+    def compile_schemas(self, spec: ConstraintSpec) -> tuple[str, Callable[[Any], Any]]:
+        """The grammar of a spec with JSON schemas, and the rewrite of its schemas it was
+        compiled from: each error llguidance names that a rewrite answers (an unknown format,
+        overlapping patterns, a cycle of references with keywords beside it, a keyword the
+        relaxed mode may drop) is retried under that rewrite."""
         drop_keys: frozenset[str] = frozenset()
         drop_formats: frozenset[str] = frozenset()
+        overlaps: tuple[str, ...] = ()
+        cycles = False
         for _ in range(MAX_RETRIES):
-            grammar = to_llguidance(
-                spec, partial(rewrite_schema, drop_keys=drop_keys, drop_formats=drop_formats)
-            )
+            rewrite = partial(rewrite_schema, drop_keys=drop_keys, drop_formats=drop_formats,
+                              overlaps=overlaps, cycles=cycles)  # fmt: skip
             try:
-                return self._check(grammar)
+                return self._check(to_llguidance(spec, rewrite)), rewrite
             except BackendError as e:
                 error = str(e)
             if unknown := re.search(r"Unknown format:(.*)", error):
                 drop_formats |= {unknown.group(1).strip()}
+                continue
+            overlap = re.fullmatch(r"patternProperty regexes /(.*)/ are not disjoint", error)
+            if overlap and overlap.group(1) not in overlaps:
+                overlaps += (overlap.group(1),)  # merged into one pattern (`merge_patterns`)
+                continue
+            if error.startswith("circular references with sibling keys") and not cycles:
+                cycles = True  # `ref_cycles`
                 continue
             more = _unimplemented(error) if self.relaxed else None
             if not more or not more <= RESTRICTING or more <= drop_keys:
