@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from grammar.contradictions import Contradiction
-from grammar.key_order import schema_key_first
 from grammar.normalize import normalize_schema, normalize_spec
 from grammar.spec import GrammarError, parse_response_format
 from tests.maskbench import MASKBENCH
@@ -286,61 +285,6 @@ def test_a_contradiction_in_a_spec_keeps_its_param() -> None:
     with pytest.raises(GrammarError) as e:
         normalize_spec(spec)
     assert e.value.param == "response_format.json_schema.schema"
-
-
-# -- "$schema" first, for llguidance ----------------------------------------------------------
-
-
-def test_schema_key_first_allows_both_orders_and_means_the_same() -> None:
-    schema = {"$schema": D7, "definitions": {"s": {"type": "string"}}, "type": "object",
-              "properties": {"name": {"$ref": "#/definitions/s"}},
-              "required": ["name"]}  # fmt: skip
-    out = schema_key_first(schema)
-    assert isinstance(out, dict)
-    assert out["definitions"] == schema["definitions"] and out["$schema"] == D7
-    first, rest = out["anyOf"]
-    assert list(first["properties"]) == ["$schema", "name"] and first["properties"]["$schema"] == {}
-    assert "definitions" not in rest and rest["properties"] == schema["properties"]
-    for doc in [{"$schema": "x", "name": "a"}, {"name": "a", "$schema": 1}, {"name": 2}, {}, 3]:
-        assert valid(out, doc) == valid(schema, doc), doc
-
-
-@pytest.mark.parametrize("schema", [
-    {"type": "object", "properties": {"a": {}}, "additionalProperties": False},  # no $schema key
-    {"type": "object", "properties": {"$schema": {}, "a": {}}},  # already first
-    {"type": "object", "properties": {"a": {"$ref": "#/properties/b"}, "b": {}}},  # refs move
-    {"type": "object", "properties": {"a": {}}, "patternProperties": {"^\\$": {}}},
-    {"type": "string"},
-])  # fmt: skip
-def test_schema_key_first_leaves_what_it_cannot_say_simply(schema) -> None:
-    assert schema_key_first(schema) is schema
-
-
-def test_llguidance_takes_schema_first_or_last(tokenizer) -> None:
-    from grammar.backends import make_backend
-    from grammar.vocab import TokenVocab
-
-    vocab = TokenVocab.from_tokenizer(tokenizer, len(tokenizer))
-    backend = make_backend("llguidance", vocab)
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-    spec = parse_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
-    assert spec is not None
-    factory = backend.load(backend.compile(spec))
-    stop = vocab.stop_token_ids[0]
-    for doc in ['{"$schema": "s", "name": "a"}', '{"name": "a", "$schema": "s"}', '{"name": "a"}']:
-        m = factory()
-        ids = tokenizer.encode(doc, add_special_tokens=False)
-        assert all(m.accept(t) for t in [*ids, stop]) and m.is_terminated(), doc
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from engine.config import default_cache_dir
-    from engine.loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None, default_cache_dir()))
 
 
 # -- the MaskBench dev set --------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from grammar.backend import BackendError
 from grammar.backends.llguidance import LLGuidanceBackend
-from grammar.bench import accepts
+from grammar.bench import refused_at
 from grammar.compiler import GrammarCompiler
 from grammar.rewrite import (
     _cyclic_refs,
@@ -76,7 +76,7 @@ def grammar_accepts(backend: LLGuidanceBackend, tokenizer, schema: object, value
     matcher = backend.load(backend.compile(spec))()
     ids = tokenizer.encode(json.dumps(value), add_special_tokens=False)
     bitmask = torch.zeros(1, (len(tokenizer) + 31) // 32, dtype=torch.int32)
-    return accepts(matcher, ids, tokenizer.eos_token_id, bitmask, [])
+    return refused_at(matcher, ids, tokenizer.eos_token_id, bitmask, []) is None
 
 
 def nodes(x: object):
@@ -349,5 +349,5 @@ def test_every_changed_dev_case_keeps_its_valid_instances_and_passes(backends, t
                     value = in_schema_order(value, data["schema"], data["schema"])
                 ids = tokenizer.encode(json.dumps(value, ensure_ascii=False),
                                        add_special_tokens=False)  # fmt: skip
-                ok = accepts(grammar.matcher(), ids, stop, bitmask, [])
+                ok = refused_at(grammar.matcher(), ids, stop, bitmask, []) is None
                 assert ok == test["valid"], f"{name} instance {k}"

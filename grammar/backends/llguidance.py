@@ -15,7 +15,6 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from grammar.backend import Backend, BackendError, Matcher, bitmask_row
-from grammar.key_order import schema_key_first
 from grammar.rewrite import ascii_digits, rewrite_schema
 from grammar.spec import JSON_MAX_WHITESPACE, ConstraintSpec
 from grammar.tools import tool_calls_lark
@@ -226,7 +225,7 @@ def to_llguidance(spec: ConstraintSpec, rewrite: Callable[[Any], Any] = lambda s
     BackendError when it cannot be translated."""
     try:
         if spec.kind in ("json_object", "json_schema"):
-            schema = schema_key_first(rewrite(spec.schema()))
+            schema = rewrite(spec.schema())
             schema = {} if schema is True or schema is None else schema
             return llg.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), overrides=JSON_OPTIONS
