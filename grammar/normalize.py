@@ -33,7 +33,13 @@ from grammar.contradictions import (
     path_of,
 )
 from grammar.merge import KEEPS_ALL_OF, REFS, absorb, assemble
-from grammar.spec import DATA_KEYWORDS, ConstraintSpec, GrammarError, JSONSchema
+from grammar.spec import (
+    DATA_KEYWORDS,
+    ConstraintSpec,
+    GrammarError,
+    JSONSchema,
+    more_nodes_than,
+)
 
 ONE_SCHEMA = frozenset({"additionalProperties", "additionalItems", "contains", "not", "if", "then",
                         "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
@@ -246,7 +252,7 @@ class _Normalizer:
         if target is None or target in self.active or self._recursive(target, path):
             return None
         x = lookup(self.root, target)
-        if not isinstance(x, dict | bool) or bigger_than(x, MAX_INLINED_NODES):
+        if not isinstance(x, dict | bool) or more_nodes_than(x, MAX_INLINED_NODES):
             return None
         return self.node(x, target), target
 
@@ -336,19 +342,3 @@ def ref_targets(node: object) -> tuple[set[Path], bool]:
                 push(v)
     return targets, opaque
 
-
-def bigger_than(node: object, limit: int) -> bool:
-    """Whether `node` holds more than `limit` objects and arrays; stops counting past it."""
-    count, stack = 0, [node]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-        else:
-            continue
-        count += 1
-        if count > limit:
-            return True
-    return False

@@ -213,7 +213,7 @@ def _json_schema_spec(schema: object, param: str, name: str | None) -> Constrain
 def check_json_schema(schema: JSONSchema, param: str) -> None:
     """Check `schema` against its metaschema and that its local `$ref`s resolve; first that it
     has at most MAX_SCHEMA_NODES objects and arrays (the check's cost grows with them)."""
-    if _more_nodes_than(schema, MAX_SCHEMA_NODES):
+    if more_nodes_than(schema, MAX_SCHEMA_NODES):
         raise GrammarError(
             f"the JSON schema has more than {MAX_SCHEMA_NODES} objects and arrays (the limit)",
             param,
@@ -235,7 +235,7 @@ def check_json_schema(schema: JSONSchema, param: str) -> None:
             raise GrammarError(f"$ref {ref!r} does not resolve", param) from e
 
 
-def _more_nodes_than(node: object, limit: int) -> bool:
+def more_nodes_than(node: object, limit: int) -> bool:
     """Whether `node` holds more than `limit` objects and arrays; stops counting past it."""
     count, stack = 0, [node]
     while stack:
