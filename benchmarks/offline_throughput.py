@@ -1,16 +1,28 @@
 """Offline throughput: Switchboard's engine vs transformers' static batching, same run.
 
-A mixed-length workload (prompts 16-384 tokens, outputs 16-128, ignore_eos) runs through
-(a) the engine with continuous batching and (b) transformers' `generate` in static batches of
-8 with left padding. Useful tokens/s = requested output tokens / wall time.
+A mixed-length workload (prompts 16-384 tokens, outputs 16-128, greedy, ignore_eos, all
+submitted at once) runs through (a) the engine with continuous batching and (b) transformers'
+`generate` in static batches of 8 with left padding, on the same weights in the same process.
+Useful tokens/s = requested output tokens / wall time.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--num-requests 32] [--out FILE]
+`--tree DIR` also times another checkout's engine (e.g. an older commit in a `git worktree`)
+on the same workload, in a child process (two trees' `engine` packages cannot share one), so
+a regression shows as a ratio from one run. `--repeat N` alternates the systems N times and
+reports each one's best and median.
+
+    .venv/bin/python benchmarks/offline_throughput.py [--num-requests 24] [--tree DIR]
+        [--repeat 2] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,17 +70,66 @@ def run_transformers(hf, tokenizer, reqs, batch_size: int) -> float:
     return time.perf_counter() - t
 
 
+class Tree:
+    """Another checkout's engine in a child process: `time()` runs the workload once there."""
+
+    def __init__(self, root: Path, args: argparse.Namespace):
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        cmd = [sys.executable, __file__, "--serve-engine", "--num-requests",
+               str(args.num_requests), "--seed", str(args.seed), "--max-num-seqs",
+               str(args.max_num_seqs), "--max-num-batched-tokens",
+               str(args.max_num_batched_tokens)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                     capture_output=True, text=True).stdout.strip() or str(root)
+        assert self.proc.stdout is not None
+        ready = self.proc.stdout.readline()
+        if not ready.startswith("ready"):
+            raise RuntimeError(f"{root}: the engine did not start ({ready!r})")
+
+    def time(self) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return float(json.loads(self.proc.stdout.readline())["seconds"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def serve_engine(args: argparse.Namespace) -> None:
+    """The child of `Tree`: load this tree's engine, warm it up, then time one run per line
+    read from stdin."""
+    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    reqs = workload(llm.tokenizer, args.num_requests, args.seed)
+    run_engine(llm, reqs[:4])
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        print(json.dumps({"seconds": run_engine(llm, reqs)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (both sides)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (every side)")
+    ap.add_argument("--tree", type=Path, default=None,
+                    help="another checkout whose engine is timed on the same workload")
+    ap.add_argument("--repeat", type=int, default=1, help="alternating runs of each system")
     ap.add_argument("--out", type=Path, default=None, help="append a markdown table row here")
+    ap.add_argument("--serve-engine", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.serve_engine:
+        return serve_engine(args)
 
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     from transformers import AutoModelForCausalLM
@@ -78,24 +139,42 @@ def main() -> None:
     useful = sum(o for _, o in reqs)
     run_engine(llm, reqs[:4])  # warm-up both
     run_transformers(hf, llm.tokenizer, reqs[:2], 2)
+    tree = Tree(args.tree, args) if args.tree else None
 
-    t_hf = run_transformers(hf, llm.tokenizer, reqs, 8)
-    t_eng = run_engine(llm, reqs)
-    eng_tps, hf_tps = useful / t_eng, useful / t_hf
-    rows = [
-        ("transformers generate, static batches of 8", t_hf, hf_tps),
-        ("switchboard engine, continuous batching", t_eng, eng_tps),
-    ]
+    systems = {"transformers generate, static batches of 8":
+               lambda: run_transformers(hf, llm.tokenizer, reqs, 8),
+               "switchboard engine (this tree)": lambda: run_engine(llm, reqs)}
+    if tree is not None:
+        systems[f"switchboard engine ({tree.commit})"] = tree.time
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    try:
+        for _ in range(args.repeat):
+            for name, fn in systems.items():
+                times[name].append(fn())
+    finally:
+        if tree is not None:
+            tree.close()
+
+    tps = {name: useful / min(ts) for name, ts in times.items()}
+    names = list(systems)
+    hf_name, ours = names[0], names[1]
     print(f"machine: {describe()}")
-    print(f"workload: {len(reqs)} requests, {useful} output tokens, seed {args.seed}")
-    print(f"{'system':<46} {'seconds':>8} {'useful tok/s':>13}")
-    for name, t, tps in rows:
-        print(f"{name:<46} {t:>8.1f} {tps:>13.1f}")
-    print(f"ratio (engine / transformers): {eng_tps / hf_tps:.2f}x")
+    print(f"workload: {len(reqs)} requests, {useful} output tokens, seed {args.seed}, "
+          f"{args.repeat} run(s) each, alternating; tok/s from each system's best run")
+    print(f"{'system':<46} {'best s':>8} {'median s':>9} {'useful tok/s':>13}")
+    for name in names:
+        print(f"{name:<46} {min(times[name]):>8.1f} {statistics.median(times[name]):>9.1f} "
+              f"{tps[name]:>13.1f}")
+    print(f"ratio (this tree / transformers): {tps[ours] / tps[hf_name]:.2f}x")
+    if tree is not None:
+        print(f"ratio (this tree / {tree.commit}): {tps[ours] / tps[names[2]]:.2f}x")
     if args.out:
+        other = (f"{tps[names[2]]:.1f} ({tree.commit}) | {tps[ours] / tps[names[2]]:.2f}x"
+                 if tree is not None else "- | -")
         with args.out.open("a") as f:
             f.write(f"| {time.strftime('%Y-%m-%d')} | {describe()} | {len(reqs)} | {useful} | "
-                    f"{hf_tps:.1f} | {eng_tps:.1f} | {eng_tps / hf_tps:.2f}x |\n")
+                    f"{tps[hf_name]:.1f} | {tps[ours]:.1f} | {tps[ours] / tps[hf_name]:.2f}x | "
+                    f"{other} |\n")
 
 
 if __name__ == "__main__":

@@ -3,15 +3,16 @@
 The KV cache of one layer is two tensors of slots, `[num_pages * page_size, kv_heads, head_dim]`;
 a page is `page_size` consecutive slots. Tokens in a step are laid out decodes first (one query
 token each), then prefill chunks. The kernels (`kernels.paged_attention`) are Triton on CUDA
-and torch references on CPU; both read the metadata below.
+and torch on CPU (decode through `kernels.cpu_attention`); both read the metadata below.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cpu_attention import DecodePlan
 from kernels.paged_attention import paged_decode, paged_prefill
 
 
@@ -28,6 +29,14 @@ class AttentionMetadata:
     prefill_query_start: torch.Tensor  # [S + 1] int32, token offsets after the decodes
     prefill_lens: torch.Tensor  # [S] int32 context lengths, the chunk included
     max_prefill_len: int  # longest chunk (0: no prefill)
+    # The CPU decode path's gathers, built by the step's first layer for all of them.
+    _cpu_plan: DecodePlan | None = field(default=None, init=False, repr=False, compare=False)
+
+    def cpu_decode_plan(self, k_cache: torch.Tensor) -> DecodePlan:
+        if self._cpu_plan is None:
+            self._cpu_plan = DecodePlan(self.decode_tables, self.decode_lens, self.page_size,
+                                        k_cache.shape[1], k_cache.shape[2], k_cache.dtype)
+        return self._cpu_plan
 
 
 def paged_attention(
@@ -50,7 +59,9 @@ def paged_attention(
     """
     out = torch.empty_like(q) if out is None else out
     nd = meta.num_decodes
-    if nd:
+    if nd and not q.is_cuda:
+        meta.cpu_decode_plan(k_cache).attend(q[:nd], k_cache, v_cache, scale, out[:nd])
+    elif nd:
         paged_decode(
             q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.page_size,
             scale, out[:nd],
