@@ -15,10 +15,11 @@ benchmarks/results/cpu_linear.md):
 | 256 | 480-704 | 565-759 |
 | 512 | 763-1208 | 925-1385 |
 
-Past `WEIGHT_FIRST_MAX_ROWS` rows (a prefill step's) the plain GEMM is as fast or faster (the
-transposed product's copy back costs more than it saves), so those take `F.linear`. One row is computed as two equal columns: the GEMM of two columns beats MKL's GEMV. The result
-is the same product, summed in a different order (last-bit differences). GPUs and other dtypes
-take `F.linear` (cuBLAS needs no help).
+(2026-11-27, the 256 and 512 rows over three runs.) Past `WEIGHT_FIRST_MAX_ROWS` rows (a
+prefill step's) the plain GEMM is as fast or faster (the copy back of the transposed product
+costs more than it saves), so those take `F.linear`. One row is computed as two equal columns:
+the GEMM of two columns beats MKL's GEMV. The result is the same product, summed in a different
+order (last-bit differences). GPUs and other dtypes take `F.linear` (cuBLAS needs no help).
 """
 
 from __future__ import annotations
