@@ -5,12 +5,12 @@ submitted at once) runs through (a) the engine with continuous batching and (b) 
 `generate` in static batches of 8 with left padding, on the same weights in the same process.
 Useful tokens/s = requested output tokens / wall time.
 
-`--tree DIR` also times another checkout's engine (e.g. an older commit in a `git worktree`)
-on the same workload, in a child process (two trees' `engine` packages cannot share one), so
-a regression shows as a ratio from one run. `--repeat N` alternates the systems N times and
-reports each one's best and median.
+`--tree DIR` (repeatable) also times another checkout's engine (e.g. an older commit in a
+`git worktree`) on the same workload, in a child process (two trees' `engine` packages cannot
+share one), so a regression shows as a ratio from one run. `--repeat N` alternates the
+systems N times and reports each one's best and median, and the minor page faults of a run.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--num-requests 24] [--tree DIR]
+    .venv/bin/python benchmarks/offline_throughput.py [--num-requests 24] [--tree DIR ...]
         [--repeat 2] [--out FILE]
 """
 
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -46,18 +47,25 @@ def workload(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
     return reqs
 
 
-def run_engine(llm: LLM, reqs) -> float:
+def faults() -> int:
+    """The process's minor page faults so far: a run that allocates fresh multi-megabyte
+    tensors step after step (glibc mmaps them) shows here as well as in its time."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def run_engine(llm: LLM, reqs) -> tuple[float, int]:
+    """Seconds and minor page faults of one run of the workload."""
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs]
-    t = time.perf_counter()
+    f, t = faults(), time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params)
-    dt = time.perf_counter() - t
+    dt, df = time.perf_counter() - t, faults() - f
     assert [len(o.token_ids) for o in outs] == [o for _, o in reqs]
-    return dt
+    return dt, df
 
 
-def run_transformers(hf, tokenizer, reqs, batch_size: int) -> float:
+def run_transformers(hf, tokenizer, reqs, batch_size: int) -> tuple[float, int]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    t = time.perf_counter()
+    f, t = faults(), time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         chunk = reqs[i : i + batch_size]
         width = max(len(p) for p, _ in chunk)
@@ -67,7 +75,7 @@ def run_transformers(hf, tokenizer, reqs, batch_size: int) -> float:
         with torch.inference_mode():
             hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                         do_sample=False, pad_token_id=pad)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, faults() - f
 
 
 class Tree:
@@ -90,11 +98,12 @@ class Tree:
         if not ready.startswith("ready"):
             raise RuntimeError(f"{root}: the engine did not start ({ready!r})")
 
-    def time(self) -> float:
+    def time(self) -> tuple[float, int]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write("run\n")
         self.proc.stdin.flush()
-        return float(json.loads(self.proc.stdout.readline())["seconds"])
+        got = json.loads(self.proc.stdout.readline())
+        return float(got["seconds"]), int(got["faults"])
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -110,7 +119,8 @@ def serve_engine(args: argparse.Namespace) -> None:
     run_engine(llm, reqs[:4])
     print("ready", flush=True)
     for _ in sys.stdin:
-        print(json.dumps({"seconds": run_engine(llm, reqs)}), flush=True)
+        seconds, minflt = run_engine(llm, reqs)
+        print(json.dumps({"seconds": seconds, "faults": minflt}), flush=True)
 
 
 def main() -> None:
@@ -120,8 +130,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (every side)")
-    ap.add_argument("--tree", type=Path, default=None,
-                    help="another checkout whose engine is timed on the same workload")
+    ap.add_argument("--tree", type=Path, action="append", default=[],
+                    help="another checkout whose engine is timed on the same workload "
+                         "(repeatable)")
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs of each system")
     ap.add_argument("--out", type=Path, default=None, help="append a markdown table row here")
     ap.add_argument("--serve-engine", action="store_true", help=argparse.SUPPRESS)
@@ -139,20 +150,23 @@ def main() -> None:
     useful = sum(o for _, o in reqs)
     run_engine(llm, reqs[:4])  # warm-up both
     run_transformers(hf, llm.tokenizer, reqs[:2], 2)
-    tree = Tree(args.tree, args) if args.tree else None
+    trees = [Tree(root, args) for root in args.tree]
 
     systems = {"transformers generate, static batches of 8":
                lambda: run_transformers(hf, llm.tokenizer, reqs, 8),
                "switchboard engine (this tree)": lambda: run_engine(llm, reqs)}
-    if tree is not None:
+    for tree in trees:
         systems[f"switchboard engine ({tree.commit})"] = tree.time
     times: dict[str, list[float]] = {name: [] for name in systems}
+    minflt: dict[str, list[int]] = {name: [] for name in systems}
     try:
         for _ in range(args.repeat):
             for name, fn in systems.items():
-                times[name].append(fn())
+                seconds, f = fn()
+                times[name].append(seconds)
+                minflt[name].append(f)
     finally:
-        if tree is not None:
+        for tree in trees:
             tree.close()
 
     tps = {name: useful / min(ts) for name, ts in times.items()}
@@ -161,20 +175,21 @@ def main() -> None:
     print(f"machine: {describe()}")
     print(f"workload: {len(reqs)} requests, {useful} output tokens, seed {args.seed}, "
           f"{args.repeat} run(s) each, alternating; tok/s from each system's best run")
-    print(f"{'system':<46} {'best s':>8} {'median s':>9} {'useful tok/s':>13}")
+    print(f"{'system':<46} {'best s':>8} {'median s':>9} {'useful tok/s':>13} "
+          f"{'page faults/run':>16}")
     for name in names:
         print(f"{name:<46} {min(times[name]):>8.1f} {statistics.median(times[name]):>9.1f} "
-              f"{tps[name]:>13.1f}")
+              f"{tps[name]:>13.1f} {int(statistics.median(minflt[name])):>16,}")
     print(f"ratio (this tree / transformers): {tps[ours] / tps[hf_name]:.2f}x")
-    if tree is not None:
-        print(f"ratio (this tree / {tree.commit}): {tps[ours] / tps[names[2]]:.2f}x")
+    for tree, name in zip(trees, names[2:], strict=True):
+        print(f"ratio (this tree / {tree.commit}): {tps[ours] / tps[name]:.2f}x")
     if args.out:
-        other = (f"{tps[names[2]]:.1f} ({tree.commit}) | {tps[ours] / tps[names[2]]:.2f}x"
-                 if tree is not None else "- | -")
+        others = "; ".join(f"{tree.commit} {tps[name]:.1f} ({tps[ours] / tps[name]:.2f}x)"
+                           for tree, name in zip(trees, names[2:], strict=True))
         with args.out.open("a") as f:
             f.write(f"| {time.strftime('%Y-%m-%d')} | {describe()} | {len(reqs)} | {useful} | "
-                    f"{tps[hf_name]:.1f} | {tps[ours]:.1f} | {tps[ours] / tps[hf_name]:.2f}x | "
-                    f"{other} |\n")
+                    f"{args.repeat} | {tps[hf_name]:.1f} | {tps[ours]:.1f} | "
+                    f"{tps[ours] / tps[hf_name]:.2f}x | {others or '-'} |\n")
 
 
 if __name__ == "__main__":
