@@ -14,8 +14,10 @@ with different subschemas), `grammar.validate.check_output` enforces the schema 
 
 from __future__ import annotations
 
+import itertools
 import json
 import urllib.parse
+from collections.abc import Iterator
 
 import jsonschema
 
@@ -279,7 +281,14 @@ def _cyclic_refs(root: dict[str, object]) -> set[str]:
 
 def _refs_in(node: object, skip_defs: bool) -> set[str]:
     skip = frozenset(DATA_KEYWORDS) | ({"definitions", "$defs"} if skip_defs else set())
-    refs: set[str] = set()
+    return {x["$ref"] for x in _schemas(node, skip)
+            if isinstance(x.get("$ref"), str) and x["$ref"].startswith("#")}
+
+
+def _schemas(node: object, skip: frozenset[str]) -> Iterator[dict]:
+    """Every schema object in `node` (a schema or a list of them), `node` itself first, not
+    looking under the keys in `skip`. In a map of names to schemas (`properties`, `$defs`,
+    ...) the values are schemas and the names are not."""
     stack: list[tuple[object, bool]] = [(node, False)]  # (node, a map of names to schemas)
     while stack:
         x, names = stack.pop()
@@ -288,11 +297,8 @@ def _refs_in(node: object, skip_defs: bool) -> set[str]:
         elif isinstance(x, dict) and names:
             stack += [(v, False) for v in x.values()]
         elif isinstance(x, dict):
-            ref = x.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
-                refs.add(ref)
+            yield x
             stack += [(v, k in NAMED_SUBSCHEMAS) for k, v in x.items() if k not in skip]
-    return refs
 
 
 def _resolve(root: object, ref: str) -> object:
@@ -311,19 +317,8 @@ def _resolve(root: object, ref: str) -> object:
 
 def _has_nested_id(root: dict[str, object]) -> bool:
     """Whether a subschema below `root` sets its own base URI (`$id`, or draft 4's `id`)."""
-    stack: list[tuple[object, bool]] = [(v, k in NAMED_SUBSCHEMAS) for k, v in root.items()
-                                        if k not in DATA_KEYWORDS]  # fmt: skip
-    while stack:
-        x, names = stack.pop()
-        if isinstance(x, list):
-            stack += [(v, False) for v in x]
-        elif isinstance(x, dict) and names:
-            stack += [(v, False) for v in x.values()]
-        elif isinstance(x, dict):
-            if isinstance(x.get("$id"), str) or isinstance(x.get("id"), str):
-                return True
-            stack += [(v, k in NAMED_SUBSCHEMAS) for k, v in x.items() if k not in DATA_KEYWORDS]
-    return False
+    below = itertools.islice(_schemas(root, frozenset(DATA_KEYWORDS)), 1, None)  # not root
+    return any(isinstance(x.get("$id"), str) or isinstance(x.get("id"), str) for x in below)
 
 
 def rewrite_schema(
