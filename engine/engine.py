@@ -33,7 +33,7 @@ from engine.prefix_cache import PrefixCache
 from engine.reasoning import Reasoning, ReasoningDetokenizer, ReasoningFormat
 from engine.request import Request
 from engine.sampler import SampleResult
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling_params import InvalidRequestError, SamplingParams, check_request
 from engine.scheduler import Batch, ScheduledSeq, Scheduler
 from engine.spec_loop import DraftLoop, LoopStep
 from engine.speculative import CPU_MAX_BATCH, MAX_BATCH, DeviceDrafter, Speculator
@@ -50,14 +50,6 @@ log = logging.getLogger(__name__)
 # flight), synchronously (prefill and admission steps, a request mid-chunk, CPU engines), or
 # carrying speculative drafts (synchronous too).
 STEP_KINDS = ("overlapped", "synchronous", "speculative")
-
-
-def _in_vocab(token_ids: list[int], vocab: int) -> bool:
-    """Whether every id is an integer in [0, vocab) (none: True). set/min/max run in C: a
-    4k-token session turn checks in tens of microseconds; 10**20 is refused here, before it
-    could overflow a tensor."""
-    return set(map(type, token_ids)) <= {int, bool} and (
-        not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab))
 
 
 class LLMEngine:
@@ -171,26 +163,8 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise `InvalidRequestError` for a request that must not enter the batch."""
-        params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if not _in_vocab(prompt_token_ids, vocab):
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {vocab})", "prompt"
-            )
-        if not _in_vocab(params.stop_token_ids, vocab):
-            raise InvalidRequestError(
-                f"stop_token_ids must be integers in [0, {vocab}), the model's vocabulary",
-                "stop_token_ids",
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"request asks for {n} prompt tokens plus max_tokens={params.max_tokens}",
-                "max_tokens" if n < self.max_model_len else "prompt",
-            )
+        check_request(prompt_token_ids, params, self.model_config.vocab_size,
+                      self.max_model_len)
 
     def add_request(
         self,

@@ -47,6 +47,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_code: str | None = None  # "engine_failed": the engine stopped, not this request
     # A reasoning model's (engine/reasoning.py): the reasoning text's delta (not in new_text)
     # and the output tokens its reasoning took so far, markers included.
     new_reasoning_text: str = ""

@@ -96,6 +96,7 @@ class EngineStats:
     spec_forwards: int = 0
     spec_emitted: int = 0
     spec_forced: int = 0
+    fatal_error: str | None = None  # why the engine stopped for good (a rank died), else None
 
 
 class EngineClient(Protocol):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig, ModelLoadError, ResolvedConfig
+from engine.core_process import watch_parent
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.parallel import (
@@ -167,6 +168,7 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: 
     """Rank `rank`: load this rank's shard, build the same model runner as rank 0, then run
     rank 0's messages until it says stop (or goes away). `joining` is set just before it
     joins the group."""
+    watch_parent(os.getppid())  # a rank exits with its core, even one killed with -9
     device = torch.device(cfg.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)

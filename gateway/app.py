@@ -20,13 +20,14 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
+from engine.core_client import EngineProcess
 from gateway.adapters import adapter_model_card, adapter_routes, ensure_adapter, model_cards
 from gateway.body import read_body
 from gateway.bounds import check_counts
 from gateway.config import ServeConfig
 from gateway.connections import connection_drop
 from gateway.conversations import AddItems, CreateConversation, conversation_routes
-from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.errors import bad_request, generation_failed, install_error_handlers
 from gateway.generation import Generation
 from gateway.metrics import RequestCounter
 from gateway.openapi import document_bodies
@@ -44,7 +45,7 @@ from gateway.tokenizer import GatewayTokenizer
 from grammar.spec import ConstraintSpec, GrammarError
 
 
-def create_app(config: ServeConfig, engine: AsyncEngine | None = None) -> FastAPI:
+def create_app(config: ServeConfig, engine: AsyncEngine | EngineProcess | None = None) -> FastAPI:
     """The app serving `config`. The engine starts loading when the app starts (lifespan)."""
     rt = Runtime(config, engine)
     created = int(time.time())
@@ -217,12 +218,7 @@ async def _collect(
         gen.close()
     failed = [c for c in gen.ordered if c.finish_reason == "error"]
     if failed:
-        raise APIError(
-            500,
-            f"generation failed: {failed[0].error or 'engine error'}",
-            "server_error",
-            code="engine_error",
-        )
+        raise generation_failed(failed[0].error, failed[0].error_code)
     return JSONResponse(fmt.body())
 
 

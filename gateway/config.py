@@ -90,6 +90,14 @@ class ServeConfig(EngineConfig):
     drain_timeout: float = setting(
         30.0, ge=0, metavar="SECONDS", help="on SIGTERM, how long running requests may finish")
 
+    # The engine core (engine/core_process.py, engine/core_client.py).
+    engine_core: Literal["process", "thread"] = setting(
+        "process", help="where the engine core runs: its own process (the HTTP server holds no "
+        "model and shares no GIL with the step loop) or a thread of the server's")
+    engine_restarts: int = setting(
+        3, ge=0, help="a core process that dies is restarted at most N times within 10 "
+        "minutes; past that /health answers 503")
+
     # Connections and slow clients (gateway/connections.py).
     header_timeout: float = setting(
         ConnectionLimits.header_timeout, gt=0, metavar="SECONDS", help="a connection that has "

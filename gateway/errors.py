@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.core_client import EngineUnavailable
 from gateway.redis_store import StoreUnavailable
 from gateway.storage_quota import QuotaExceeded
 
@@ -93,6 +94,21 @@ def rate_limited(message: str, retry_after: float, code: str) -> APIError:
 def not_ready() -> APIError:
     return APIError(503, "The model is still loading; retry shortly.", "server_error",
                     code="model_not_ready", headers={"Retry-After": "1"})
+
+
+def engine_failed(message: str) -> APIError:
+    """The engine core died (its requests fail with this) or is being restarted."""
+    return APIError(503, message, "server_error", code="engine_failed",
+                    headers={"Retry-After": "1"})
+
+
+def generation_failed(error: str | None, code: str | None) -> APIError:
+    """A generation the engine ended with an error: 503 when the engine itself failed (retry
+    once it is back), else 500."""
+    if code == "engine_failed":
+        return engine_failed(error or "the engine failed")
+    return APIError(500, f"generation failed: {error or 'engine error'}", "server_error",
+                    code="engine_error")
 
 
 def store_unavailable(e: StoreUnavailable) -> APIError:
@@ -223,6 +239,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StoreUnavailable)
     async def _store(_: Request, exc: StoreUnavailable) -> JSONResponse:
         return store_unavailable(exc).response()
+
+    @app.exception_handler(EngineUnavailable)
+    async def _engine(_: Request, exc: EngineUnavailable) -> JSONResponse:
+        return engine_failed(f"The engine is unavailable: {exc}").response()
 
     @app.exception_handler(QuotaExceeded)
     async def _quota(_: Request, exc: QuotaExceeded) -> JSONResponse:

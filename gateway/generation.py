@@ -46,6 +46,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None  # "engine_failed": the engine stopped, not this request
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_at: float | None = None
@@ -199,7 +200,7 @@ class Generation:
         choice.num_cached_tokens = out.num_cached_tokens or choice.num_cached_tokens
         if out.finished:
             choice.finish_reason = out.finish_reason or "stop"
-            choice.error = out.error
+            choice.error, choice.error_code = out.error, out.error_code
             self.metrics.finished.labels(choice.finish_reason).inc()
             self.metrics.e2e.observe(now - self.arrival)
             n = len(choice.token_ids)

@@ -28,7 +28,7 @@ from gateway.adapters import ensure_adapter
 from gateway.auth import Authenticate
 from gateway.body import read_body
 from gateway.connections import connection_drop
-from gateway.errors import APIError, bad_request, store_unavailable
+from gateway.errors import APIError, bad_request, generation_failed, store_unavailable
 from gateway.generation import Generation
 from gateway.params import EngineFacts, Plan, plan_chat, resolve_adapter
 from gateway.redis_store import StoreUnavailable
@@ -199,8 +199,7 @@ class Turn:
         if c.finish_reason in (None, "abort"):  # the client left: nothing to store
             return self.body_now("cancelled", [])
         if c.finish_reason == "error":
-            raise APIError(500, f"generation failed: {c.error or 'engine error'}",
-                           "server_error", code="engine_error")
+            raise generation_failed(c.error, c.error_code)
         self.output.reason(c.reasoning)
         self.output.feed(c.text, final=True)
         self.output.finish(self._item_status())
@@ -216,8 +215,9 @@ class Turn:
                                "response": self.body_now("in_progress", [])})
             async for c, out in self.gen.outputs():
                 if c.finish_reason == "error":
-                    error: dict[str, object] = {"code": "server_error",
-                             "message": f"generation failed: {c.error or 'engine error'}"}
+                    failure = generation_failed(c.error, c.error_code)
+                    error: dict[str, object] = {"code": failure.code or "server_error",
+                                                "message": failure.message}
                     yield self._event({"type": "response.failed", "response": self.body_now(
                         "failed", self.output.items, error=error)})
                     return

@@ -12,10 +12,11 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.async_engine import LOAD_STAGES, AsyncEngine
+from engine.core_client import EngineProcess
 from gateway.auth import Authenticator
 from gateway.config import ServeConfig
 from gateway.connections import Connections
-from gateway.errors import APIError, not_ready
+from gateway.errors import APIError, engine_failed, not_ready
 from gateway.limits import Seats, SharedLimiter, TenantLimiter
 from gateway.metrics import Metrics
 from gateway.params import EngineFacts
@@ -35,9 +36,9 @@ FLUSH_S = 5.0  # after the drain deadline: time for the failed requests' answers
 
 
 class Runtime:
-    def __init__(self, config: ServeConfig, engine: AsyncEngine | None = None):
+    def __init__(self, config: ServeConfig, engine: AsyncEngine | EngineProcess | None = None):
         self.config = config
-        self.engine = engine or AsyncEngine(config.engine_config())
+        self.engine = engine or _engine(config)
         shared = config.redis_url is not None
         self.auth = Authenticator(config.api_keys, config.tenants, config.default_limits,
                                   waiting=shared and config.api_keys is None,
@@ -163,8 +164,7 @@ class Runtime:
                            code="model_load_failed")
         fatal = self.engine.fatal_error
         if fatal is not None:
-            raise APIError(503, f"The engine stopped: {fatal}", "server_error",
-                           code="engine_failed")
+            raise engine_failed(f"The engine stopped: {fatal}")
 
     async def compile_grammar(self, spec: ConstraintSpec) -> None:
         """The engine's `compile_grammar` (a cached spec returns at once), timed into the
@@ -182,3 +182,11 @@ class Runtime:
     def queue_depth(self) -> int:
         """Sequences submitted and not yet in the running batch."""
         return max(0, self.engine.num_outstanding - self.engine.stats.num_running)
+
+
+def _engine(config: ServeConfig) -> AsyncEngine | EngineProcess:
+    """The engine core `--engine-core` asks for: its own process (restarted when it dies) or a
+    thread of this one."""
+    if config.engine_core == "thread":
+        return AsyncEngine(config.engine_config())
+    return EngineProcess(config.engine_config(), restarts=config.engine_restarts)

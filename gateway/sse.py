@@ -15,7 +15,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.messages import RequestOutput
-from gateway.errors import error_body
+from gateway.errors import error_body, generation_failed
 from gateway.generation import Choice, Generation
 
 DONE = "data: [DONE]\n\n"
@@ -37,8 +37,9 @@ async def stream_events(
         events: list[str] = []  # written together while more outputs are queued
         async for choice, out in gen.outputs():
             if choice.finish_reason == "error":
-                msg = f"generation failed: {choice.error or 'engine error'}"
-                events.append(event(error_body(msg, "server_error", None, "engine_error")))
+                failure = generation_failed(choice.error, choice.error_code)
+                events.append(event(error_body(failure.message, "server_error", None,
+                                               failure.code)))
             else:
                 events += [event(chunk) for chunk in fmt.chunks(choice, out)]
             if events and not (gen.pending or gen.done):  # the last go with the usage

@@ -170,6 +170,11 @@ class AdapterManager:
             entries = [e for (t, _), e in self._registry.items() if t == tenant]
             return [self._info(e) for e in sorted(entries, key=lambda e: (e.created, e.name))]
 
+    def snapshot(self) -> builtins.list[AdapterInfo]:
+        """Every tenant's adapters (what an engine-core process sends its gateways)."""
+        with self._lock:
+            return [self._info(e) for e in self._registry.values()]
+
     @property
     def num_resident(self) -> dict[str, int]:
         """Adapters held per tier now."""
