@@ -95,6 +95,7 @@ class GatewayServer:
     model: str
     log: Path
     adapter_dir: Path  # the adapter store (uploads)
+    pid: int = 0  # the serve process's
 
     @property
     def base_url(self) -> str:
@@ -135,7 +136,7 @@ def serve(tmp: Path, *flags: str, model: Path | None = None) -> Iterator[Gateway
     try:
         url = _wait_for_banner(proc, log, timeout=300)
         name = model.name if model is not None else "SmolLM2-135M-Instruct"
-        yield GatewayServer(url, "sk-test-alpha", name, log, store)
+        yield GatewayServer(url, "sk-test-alpha", name, log, store, proc.pid)
     finally:
         proc.terminate()
         try:
