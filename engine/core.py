@@ -33,6 +33,7 @@ from engine.sampling_params import InvalidRequestError
 log = logging.getLogger(__name__)
 
 LOAD_STAGES = ("locating weights", "loading model", "ready")
+IDLE_POLL_S = 0.5  # an idle loop still looks at the engine this often (has a rank died?)
 ENGINE_FAILED = "engine_failed"  # `RequestOutput.error_code` when the engine itself stopped
 
 
@@ -129,11 +130,11 @@ class EngineCore:
         self._emit(outputs, self.stats)
 
     def _drain(self, block: bool) -> list[RequestOutput]:
-        """Apply queued commands; when idle, wait for the first one."""
+        """Apply queued commands; when idle, wait a while for the first one."""
         outputs: list[RequestOutput] = []
         while True:
             try:
-                cmd = self.inbox.get() if block else self.inbox.get_nowait()
+                cmd = self.inbox.get(timeout=IDLE_POLL_S) if block else self.inbox.get_nowait()
             except queue.Empty:
                 return outputs
             block = False

@@ -175,6 +175,8 @@ class CoreServer:
             for cid, outs in mine.items():
                 self._out.put((cid, Outputs(outs, stats)))
         self._send_table()
+        if stats.fatal_error is not None:  # end the process: the owner restarts the core
+            self.core.stop()
 
     def _facts(self) -> CoreFacts:
         e = self.core.engine

@@ -285,12 +285,13 @@ def test_serve_with_two_ranks_answers_the_openai_sdk(tmp_path):
 
 
 def test_health_fails_once_a_rank_dies(tmp_path):
-    """Liveness tells the truth: once a rank dies the engine can never serve again, so
-    /health answers 503 with the reason (and a liveness probe restarts the pod), as /ready
-    and requests do; until then it is 200."""
+    """Liveness tells the truth: a rank's death ends its engine core; with no restarts left
+    (`--engine-restarts 0`) the server can never serve again, so /health answers 503 with the
+    reason (and a liveness probe restarts the pod), as /ready and requests do; until then it
+    is 200. No process is left behind."""
     from tests.conftest import serve
 
-    with serve(tmp_path, "--tensor-parallel-size", "2") as server:
+    with serve(tmp_path, "--tensor-parallel-size", "2", "--engine-restarts", "0") as server:
         assert httpx.get(server.url + "/health").status_code == 200
         os.kill(_rank_pid(tmp_path / "keys.json"), signal.SIGKILL)
         deadline = time.monotonic() + 30
@@ -303,10 +304,28 @@ def test_health_fails_once_a_rank_dies(tmp_path):
         assert error["type"] == "server_error"
         ready = httpx.get(server.url + "/ready")
         assert ready.status_code == 503 and ready.json()["error"]["code"] == "engine_failed"
+        assert not [p for p in Path("/proc").iterdir() if p.name.isdigit()
+                    and _parent(p.name) == str(server.pid) and b"spawn_main" in _cmdline(p)
+                    ], "the engine core outlived its rank"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _parent(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    except OSError:
+        return ""
 
 
 def _rank_pid(keys: Path) -> int:
-    """The pid of rank 1 of the server started with this keys file: its `spawn` child."""
+    """The pid of rank 1 of the server started with this keys file: its engine core's
+    `spawn` child."""
     def cmdline(pid: str) -> str:
         try:
             return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -321,4 +340,5 @@ def _rank_pid(keys: Path) -> int:
 
     pids = [p.name for p in Path("/proc").iterdir() if p.name.isdigit()]
     server = next(p for p in pids if " serve " in cmdline(p) and str(keys) in cmdline(p))
-    return int(next(p for p in pids if parent(p) == server and "spawn_main" in cmdline(p)))
+    core = next(p for p in pids if parent(p) == server and "spawn_main" in cmdline(p))
+    return int(next(p for p in pids if parent(p) == core and "spawn_main" in cmdline(p)))
