@@ -13,6 +13,9 @@ lifecycle (start, loading, drain, shutdown), and it keeps the core alive:
     restart    with the same settings, at most `restarts` times within `restart_window`
                seconds; past that `fatal_error` says why, and /health answers 503.
 
+With `attach=(address, authkey)` it starts nothing: it connects to the core another gateway
+process owns (`--api-servers`), and reconnects to its replacement after a death.
+
 Facts the gateway checks requests against (context length, vocabulary) come with the core's
 `Status` once it has loaded, so `validate` runs here, in the gateway. Grammar compiles and
 adapter uploads are calls to the core; the adapter registry is mirrored here from the table
@@ -64,8 +67,13 @@ class EngineProcess:
         restarts: int = 3,
         restart_window: float = 600.0,
         engine_factory: Callable[[EngineConfig], Any] | None = None,
+        attach: tuple[str, bytes] | None = None,
     ):
         self.config = config
+        self.attached = attach is not None
+        self._workdir = None if attach else tempfile.mkdtemp(prefix="switchboard-core-")
+        self.address, self.authkey = attach or (os.path.join(self._workdir, "core.sock"),
+                                                os.urandom(16))
         self.max_restarts, self.restart_window = restarts, restart_window
         self.restarts = 0  # how many times the core was replaced
         self._factory = engine_factory
@@ -106,6 +114,12 @@ class EngineProcess:
         return self._serving and self._fatal is None and self.stats.fatal_error is None
 
     @property
+    def restarting(self) -> bool:
+        """A core died and its replacement is not serving yet."""
+        return (not self._serving and self._done_loading.is_set() and self.load_error is None
+                and self._fatal is None and not self._stopping)
+
+    @property
     def fatal_error(self) -> str | None:
         """Why no core will serve again (it kept dying: restarts exhausted), else None."""
         return self._fatal
@@ -124,6 +138,9 @@ class EngineProcess:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
+        if self.attached:  # the core is the owner's to stop
+            self._outbox.put((-1, None))
+            return
         self._send(STOP)
         if self._supervisor is not None:
             self._supervisor.join(timeout)  # it reaps the core once its socket closes
@@ -131,6 +148,8 @@ class EngineProcess:
         if proc is not None and proc.is_alive():
             proc.kill()
         self._outbox.put((-1, None))  # ends the sender
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
 
     # -- facts --------------------------------------------------------------------------------
 
@@ -231,12 +250,23 @@ class EngineProcess:
                 pass
 
     def _supervise(self) -> None:
+        try:
+            self._keep_serving()
+        except Exception as e:  # a bug here must not leave a server that looks alive
+            log.exception("the engine core's supervisor failed")
+            self._fatal = f"the engine core's supervisor failed: {e}"
+            self._died(self._fatal)
+            self._done_loading.set()
+
+    def _keep_serving(self) -> None:
         while not self._stopping:
-            why = self._run_core()
+            why = self._attach() if self.attached else self._run_core()
             if why is None or self._stopping:
                 return
             log.error("%s; failing the requests in flight", why)
             self._died(why)
+            if self.attached:
+                continue  # the owner restarts it (or, past its limit, stops this process)
             now = time.monotonic()
             self._deaths.append(now)
             while self._deaths and now - self._deaths[0] > self.restart_window:
@@ -251,31 +281,41 @@ class EngineProcess:
     def _run_core(self) -> str | None:
         """Start one core and serve through it until it ends. Returns why it died, or None
         when it should not be restarted (it failed to load, or we are stopping)."""
-        workdir = tempfile.mkdtemp(prefix="switchboard-core-")
-        address, authkey = os.path.join(workdir, "core.sock"), os.urandom(16)
         from engine.core_process import core_main
 
         proc = mp.get_context("spawn").Process(
-            target=core_main, args=(self.config, address, authkey, os.getpid(), self._factory),
-            name="switchboard-core", daemon=False)  # it starts tensor-parallel workers
+            target=core_main, name="switchboard-core", daemon=False,  # it starts TP workers
+            args=(self.config, self.address, self.authkey, os.getpid(), self._factory))
         proc.start()
         self.proc = proc
-        try:
-            conn = _connect(address, authkey, proc)
-            if conn is None:
-                return self._ended(proc, "the engine core exited while starting")
-            with self._lock:
-                self._conn = conn
-            while True:
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    break
-                self._handle(msg)
-            conn.close()
-            return self._ended(proc, "the engine core stopped")
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        conn = _connect(self.address, self.authkey,
+                        lambda: proc.is_alive() and time.monotonic() < deadline)
+        if conn is None:
+            return self._ended(proc, "the engine core exited while starting")
+        self._serve(conn)
+        return self._ended(proc, "the engine core stopped")
+
+    def _attach(self) -> str | None:
+        """Serve through the owner's core until it ends (None: we are stopping)."""
+        conn = _connect(self.address, self.authkey, lambda: not self._stopping)
+        if conn is None:
+            return None
+        self._serve(conn)
+        return None if self._stopping else (
+            f"the engine core stopped: {self.stats.fatal_error}" if self.stats.fatal_error
+            else "the engine core stopped")
+
+    def _serve(self, conn: Connection) -> None:
+        with self._lock:
+            self._conn = conn
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            self._handle(msg)
+        conn.close()
 
     def _ended(self, proc: Any, what: str) -> str | None:
         proc.join(2.0)
@@ -406,15 +446,12 @@ def _settle(fut: Future[Any], reply: Reply) -> None:
         fut.set_exception(RuntimeError(message))
 
 
-def _connect(address: str, authkey: bytes, proc: Any) -> Connection | None:
-    """Connect once the core listens; None if it exited first."""
-    deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if not proc.is_alive():
-            return None
+def _connect(address: str, authkey: bytes, keep_trying: Callable[[], bool]
+             ) -> Connection | None:
+    """Connect once the core listens; None once `keep_trying()` says to give up."""
+    while keep_trying():
         try:
             return Client(address, "AF_UNIX", authkey=authkey)
-        except (FileNotFoundError, ConnectionRefusedError):
+        except (OSError, EOFError):  # not listening yet, or the core it reached just died
             time.sleep(0.02)
-    proc.kill()
     return None

@@ -11,9 +11,10 @@ started it first: its "owner"). Three kinds of threads keep the step loop off th
     writer      pickles and sends what the loop emitted: each connection its own requests'
                 outputs, and to all of them the stats, status and adapter table.
 
-The process ends when the owner says `STOP` or goes away (its connection closes, or its pid
-is no longer our parent: `kill -9` of the server leaves no orphan), and when the engine stops
-for good (a tensor-parallel rank died): the owner then sees the socket close and restarts it.
+The process ends when its owner (the gateway process that started it) says `STOP` or goes
+away (its pid is no longer our parent: `kill -9` of the server leaves no orphan), and when the
+engine stops for good (a tensor-parallel rank died): the owner then sees the socket close and
+restarts it. Another gateway process (`--api-servers`) that goes away only loses its requests.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from grammar.spec import GrammarError
 
 log = logging.getLogger(__name__)
 
-OWNER = 0  # the first connection's id: the gateway process that started this one
 PARENT_POLL_S = 0.2
 
 
@@ -61,6 +61,8 @@ def watch_parent(parent_pid: int) -> None:
 class CoreServer:
     def __init__(self, config: EngineConfig, address: str, authkey: bytes,
                  engine_factory: Any = None):
+        if os.path.exists(address):  # the socket of the core this one replaces
+            os.unlink(address)
         self.listener = Listener(address, "AF_UNIX", authkey=authkey)
         self.core = EngineCore(config, self._emit, engine_factory, self._on_stage)
         self.status = Status(LOAD_STAGES[0])
@@ -92,7 +94,7 @@ class CoreServer:
     # -- connections --------------------------------------------------------------------------
 
     def _accept(self) -> None:
-        cid = OWNER
+        cid = 0
         while True:
             try:
                 conn = self.listener.accept()
@@ -131,8 +133,6 @@ class CoreServer:
             orphans = [rid for rid, c in self._owner_of.items() if c == cid]
         for rid in orphans:
             self.core.put(Abort(rid))
-        if cid == OWNER:
-            self.core.stop()
 
     def _write(self) -> None:
         while True:

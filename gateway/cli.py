@@ -90,7 +90,9 @@ def _help(info: FieldInfo) -> str:
 def serve(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from gateway.api_servers import APIServers
     from gateway.app import create_app
+    from gateway.runtime import FLUSH_S
     from gateway.server import ServerThread
 
     console = Console(stderr=True)
@@ -101,13 +103,15 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     app = create_app(cfg)
     server = ServerThread(app, cfg.host, cfg.port, cfg.log_level,
-                          app.state.runtime.connections)
+                          app.state.runtime.connections, reuse_port=cfg.api_servers > 1)
     try:
         server.start()
     except RuntimeError as e:
         _error(console, f"{e} (port {cfg.port} in use?)")
         return 1
     signal.signal(signal.SIGTERM, _interrupt)  # while loading, SIGTERM stops as Ctrl-C does
+    others: APIServers | None = None
+    term = threading.Event()
     try:
         runtime = app.state.runtime
         if runtime.cluster:
@@ -116,18 +120,28 @@ def serve(args: argparse.Namespace) -> int:
         if runtime.load_error is not None:
             _error(console, str(runtime.load_error))
             return 1
-        term = threading.Event()
+        if cfg.api_servers > 1:
+            engine = runtime.engine
+            others = APIServers(cfg, server.port, engine.address, engine.authkey)
+            why = others.wait_ready()
+            if why is not None:
+                _error(console, why)
+                return 1
         signal.signal(signal.SIGTERM, lambda *_: term.set())  # from now on, SIGTERM drains
         _print_banner(cfg, server.url)
         while server.alive() and not term.wait(0.5):
             pass
         if term.is_set():
             console.print(f"SIGTERM: draining (at most {cfg.drain_timeout:g} s)", highlight=False)
+            if others is not None:
+                others.drain()
             if not runtime.drain(cfg.drain_timeout):
                 _error(console, "drain deadline passed; the unfinished requests were failed")
     except KeyboardInterrupt:
         pass
     finally:
+        if others is not None:
+            others.stop(cfg.drain_timeout + FLUSH_S if term.is_set() else 0.0)
         server.stop()
     return 0
 

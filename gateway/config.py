@@ -97,6 +97,10 @@ class ServeConfig(EngineConfig):
     engine_restarts: int = setting(
         3, ge=0, help="a core process that dies is restarted at most N times within 10 "
         "minutes; past that /health answers 503")
+    api_servers: int = setting(
+        1, ge=1, le=64, help="HTTP server processes sharing the port over one engine core "
+        "process, so JSON, SSE and tokenization use more cores (more than one needs "
+        "--redis-url: the processes share sessions, stored responses and limits there)")
 
     # Connections and slow clients (gateway/connections.py).
     header_timeout: float = setting(
@@ -169,6 +173,11 @@ class ServeConfig(EngineConfig):
                 raise ValueError("API keys must be non-empty strings")
             if any(not t.strip() for t in self.api_keys.values()):
                 raise ValueError("tenant names must be non-empty strings")
+        if self.api_servers > 1 and self.engine_core != "process":
+            raise ValueError("--api-servers above 1 needs --engine-core process")
+        if self.api_servers > 1 and self.redis_url is None:
+            raise ValueError("--api-servers above 1 needs --redis-url: the HTTP processes "
+                             "share sessions, stored responses and tenant limits there")
         return self
 
     @property

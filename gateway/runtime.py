@@ -152,6 +152,8 @@ class Runtime:
                            code="server_shutting_down", headers={"Retry-After": "1"})
         self.require_alive()
         if not self.ready or self.tokenizer is None or self.facts is None:
+            if getattr(self.engine, "restarting", False):
+                raise engine_failed("The engine failed and is restarting; retry shortly.")
             raise not_ready()
         return self.tokenizer, self.facts
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import socket
 import threading
 import time
 from asyncio import TimerHandle
@@ -156,6 +157,16 @@ class GuardedProtocol(HttpToolsProtocol):
             self.timer = None
 
 
+def _shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket with SO_REUSEPORT, bound to `host:port`."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(BACKLOG)
+    return sock
+
+
 def _close(transport: asyncio.Transport, answer: bytes | None) -> None:
     """Write `answer` (when given) and close; at once (a reset) if the client has not read
     what it was sent before, since a close waits for the write buffer to drain."""
@@ -169,7 +180,9 @@ def _close(transport: asyncio.Transport, answer: bytes | None) -> None:
 
 class ServerThread:
     def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "warning",
-                 connections: Connections | None = None):
+                 connections: Connections | None = None, reuse_port: bool = False):
+        """`reuse_port`: listen on a socket other processes may bind too (`--api-servers`):
+        the kernel spreads the connections among them."""
         self.connections = connections or Connections(ConnectionLimits())
         self.connections.fit_fd_limit(BACKLOG)
         protocol = functools.partial(GuardedProtocol, guard=self.connections)  # called as a class
@@ -178,7 +191,9 @@ class ServerThread:
                                 http=protocol)  # type: ignore[arg-type]
         self.server = uvicorn.Server(config)
         self.host = host
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        sockets = [_shared_socket(host, port)] if reuse_port else None
+        self.thread = threading.Thread(target=self.server.run, args=(sockets,), name="uvicorn",
+                                       daemon=True)
 
     def start(self, timeout: float = 30.0) -> None:
         """Start serving; return once the socket listens. Raises if it could not start."""

@@ -22,6 +22,7 @@ from engine.core_client import EngineProcess, EngineUnavailable
 from engine.messages import GenerateRequest, RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from tests.test_async_engine import FakeEngine
+from tests.test_sessions import redis_server, redis_url  # noqa: F401 - module-scoped fixtures
 
 
 class SlowEngine(FakeEngine):
@@ -232,3 +233,93 @@ def test_kill_9_of_the_core_under_16_streams(tmp_path):
         while Path(f"/proc/{new_core}").exists():
             assert time.monotonic() < deadline, "the core outlived its server"
             time.sleep(0.05)
+
+
+def _spawned(pid: int) -> list[int]:
+    """The serve process's `spawn` children: its engine core and its other HTTP servers."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            if (p.name.isdigit() and b"spawn_main" in (p / "cmdline").read_bytes()
+                    and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid):
+                out.append(int(p.name))
+        except OSError:
+            continue
+    return out
+
+
+def _sockets(pid: int) -> int:
+    n = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            n += os.readlink(fd).startswith("socket:")
+        except OSError:
+            continue
+    return n
+
+
+def test_two_api_servers_share_the_port_and_the_core(tmp_path, redis_url):  # noqa: F811
+    """`--api-servers 2`: a second HTTP process accepts connections on the same port; a
+    session's turns alternate between the processes (history in Redis); a killed core fails
+    both processes' streams and both serve again after its restart; SIGTERM stops all."""
+    from tests.conftest import serve
+
+    with serve(tmp_path, "--api-servers", "2", "--redis-url", redis_url) as server:
+        headers = {"Authorization": f"Bearer {server.api_key}"}
+        children = _spawned(server.pid)
+        assert len(children) == 2  # the core and the second HTTP process
+        before = {pid: _sockets(pid) for pid in children}
+        clients = [httpx.Client(base_url=server.url, headers=headers, timeout=60)
+                   for _ in range(16)]
+        try:
+            for c in clients:  # 16 connections, kept open
+                assert c.get("/ready").status_code == 200
+            grew = [pid for pid in children if _sockets(pid) > before[pid]]
+            assert grew, "no connection reached the second HTTP process"
+            sid = clients[0].post("/v1/sessions", json={"model": server.model,
+                                                        "messages": []}).json()["id"]
+            for i, c in enumerate(clients[:6]):
+                r = c.post("/v1/chat/completions", json={
+                    "model": server.model, "session_id": sid, "max_tokens": 3,
+                    "temperature": 0, "messages": [{"role": "user", "content": f"turn {i}"}]})
+                assert r.status_code == 200, r.text
+            history = clients[0].get(f"/v1/sessions/{sid}").json()["messages"]
+            assert len(history) == 12
+
+            body = {"model": server.model, "max_tokens": 200, "stream": True,
+                    "ignore_eos": True, "messages": [{"role": "user", "content": "A story."}]}
+            firsts = [threading.Event() for _ in range(6)]
+            done: list = []
+            threads = [threading.Thread(target=_stream, args=(server.url, server.api_key, body,
+                                                               f, done)) for f in firsts]
+            for t in threads:
+                t.start()
+            for f in firsts:
+                assert f.wait(60)
+            core = _core_pid(server.pid)
+            os.kill(core, signal.SIGKILL)
+            killed = time.monotonic()
+            for t in threads:
+                t.join(30)
+            assert len(done) == 6
+            for ended, events in done:
+                assert ended - killed < 2.0
+                assert json.loads(events[-2])["error"]["code"] == "engine_failed"
+            deadline = time.monotonic() + 120
+            while not all(c.get("/ready").status_code == 200 for c in clients):
+                assert time.monotonic() < deadline, "not every HTTP process serves again"
+                time.sleep(0.2)
+            for c in clients:
+                r = c.post("/v1/completions", json={"model": server.model, "prompt": "Hi",
+                                                    "max_tokens": 2})
+                assert r.status_code == 200, r.text
+        finally:
+            for c in clients:
+                c.close()
+        left = _spawned(server.pid)
+        os.kill(server.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while left := [pid for pid in left if Path(f"/proc/{pid}/cmdline").exists()
+                       and Path(f"/proc/{pid}/cmdline").read_bytes()]:
+            assert time.monotonic() < deadline, f"SIGTERM left {left} behind"
+            time.sleep(0.1)
