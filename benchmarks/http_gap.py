@@ -79,6 +79,14 @@ def main() -> None:
     ap.add_argument("--piecewise", choices=("on", "off", "both"), default="on",
                     help="replay steps that prefill as piecewise CUDA graphs (engine config "
                     "`piecewise_graphs`); both: every round once each way (GPU only)")
+    ap.add_argument("--engine-core", choices=("process", "thread", "both"), default="process",
+                    help="the servers' `--engine-core`; both: every round once each way")
+    ap.add_argument("--api-servers", type=int, default=1, help="the servers' `--api-servers` "
+                    "(above 1 also needs --redis-url)")
+    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="processes the streaming clients run in (the suite's c128: 4)")
+    ap.add_argument("--streamed-only", action="store_true", help="skip the unstreamed rows")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     machine = describe()  # before the engine sets torch's threads
@@ -90,15 +98,17 @@ def main() -> None:
     flags = ["--model", args.model, "--device", args.device, "--dtype", dtype,
              "--max-num-seqs", str(seqs), "--max-num-batched-tokens",
              str(engine["max_num_batched_tokens"]), "--kv-pages", str(pages),
-             "--max-queue", "4096", "--max-loras", "0"] + \
-        ([] if cuda else ["--threads", str(args.threads)])
+             "--max-queue", "4096", "--max-loras", "0",
+             "--api-servers", str(args.api_servers)] + \
+        ([] if cuda else ["--threads", str(args.threads)]) + \
+        (["--redis-url", args.redis_url] if args.redis_url else [])
 
     from engine import LLM
 
     llm = LLM(args.model, dtype=dtype, device=args.device, **engine)
     vocab = llm.engine.model_config.vocab_size
     prompts, outputs = mixed_workload(args.requests, vocab, args.scale)
-    rows: list[tuple[str, int, dict]] = []
+    rows: list[tuple[str, int, dict, tuple[float, float] | None]] = []
     runner = llm.engine.runner
     pieces = runner.piecewise  # set aside for the rounds without them
     ways = ("on", "off") if args.piecewise == "both" else (args.piecewise,)
@@ -111,7 +121,7 @@ def main() -> None:
             before = {k: tuple(v) for k, v in llm.engine.step_times.items()}
             tok = offline_tok_s(llm, prompts, outputs, lambda i, m: greedy(m), args.device)
             rows.append((label("offline", way, cuda), round(tok),
-                         step_kinds(before, llm.engine.step_times)))
+                         step_kinds(before, llm.engine.step_times), None))
             print(*rows[-1], flush=True)
     del llm, runner, pieces
     gc.collect()
@@ -119,18 +129,25 @@ def main() -> None:
         import torch
 
         torch.cuda.empty_cache()
+    cores = ("process", "thread") if args.engine_core == "both" else (args.engine_core,)
+    modes = ("streamed",) if args.streamed_only else ("streamed", "not streamed")
+    procs = args.client_processes
     for _ in range(args.rounds):
-        for way, mode in itertools.product(ways, ("streamed", "not streamed")):
+        for way, core, mode in itertools.product(ways, cores, modes):
             off = ["--no-piecewise-graphs"] if way == "off" else []
-            with Server(flags + off) as srv:
+            with Server([*flags, *off, "--engine-core", core]) as srv:
                 warm, warm_out = mixed_workload(args.requests, vocab, args.scale, seed=8)
-                http_workload(srv.url, warm, warm_out, args.clients)
+                http_workload(srv.url, warm, warm_out, args.clients, procs)
                 before = srv.metrics()
-                tok = http_workload(srv.url, prompts, outputs, args.clients)["tok_s"] \
-                    if mode == "streamed" else \
-                    asyncio.run(unstreamed(srv.url, prompts, outputs, args.clients))
-                rows.append((label(mode, way, cuda), tok,
-                             step_kinds(metric_steps(before), metric_steps(srv.metrics()))))
+                if mode == "streamed":
+                    res = http_workload(srv.url, prompts, outputs, args.clients, procs)
+                    tok, ttft = res["tok_s"], (res["ttft_p50_s"], res["ttft_p99_s"])
+                else:
+                    tok = asyncio.run(unstreamed(srv.url, prompts, outputs, args.clients))
+                    ttft = None
+                name = label(mode, way, cuda) + ("" if len(cores) == 1 else f", core {core}")
+                rows.append((name, tok, step_kinds(metric_steps(before),
+                                                   metric_steps(srv.metrics())), ttft))
                 print(*rows[-1], flush=True)
     if args.out:
         args.out.write_text(render(args, machine, rows))
@@ -141,25 +158,28 @@ def label(mode: str, way: str, cuda: bool) -> str:
     return f"{mode}, pieces {way}" if cuda else mode
 
 
-def render(args: argparse.Namespace, machine: str, rows: list[tuple[str, int, dict]]) -> str:
+def render(args: argparse.Namespace, machine: str,
+           rows: list[tuple[str, int, dict, tuple[float, float] | None]]) -> str:
     def base(mode: str) -> float:  # the offline median of the same way (pieces on or off)
-        way = mode.partition(",")[2]
-        return statistics.median(t for m, t, _ in rows
-                                 if m.startswith("offline") and m.partition(",")[2] == way)
+        way = mode.split(", ")[1] if ", pieces" in mode else ""
+        return statistics.median(t for m, t, _, _ in rows
+                                 if m.startswith("offline") and m.endswith(way))
 
-    kinds = sorted({k for _, _, steps in rows for k in steps})
+    kinds = sorted({k for _, _, steps, _ in rows for k in steps})
     lines = [
         "# The engine's steps offline and through the server (`benchmarks/http_gap.py`)", "",
         f"Machine: {machine}. `{' '.join(sys.argv[1:])}`: `{args.model}` on "
         f"{args.device}, {args.requests} requests (`gpu_e2e.mixed_workload`, lengths x "
         f"{args.scale}), {args.clients} concurrent clients; one fresh server per row.", "",
-        "| run | output tok/s | ÷ offline (median, same pieces) | "
+        "| run | output tok/s | ÷ offline (median, same pieces) | TTFT p50 / p99 s | "
         + " | ".join(f"{k} steps · ms" for k in kinds) + " |",
-        "|---|---|---|" + "---|" * len(kinds),
+        "|---|---|---|---|" + "---|" * len(kinds),
     ]
-    for mode, tok, steps in rows:
+    for mode, tok, steps, ttft in rows:
         cells = [f"{steps[k]['steps']} · {steps[k]['ms']}" if k in steps else "-" for k in kinds]
-        lines.append(f"| {mode} | {tok} | {tok / base(mode):.3f} | " + " | ".join(cells) + " |")
+        t = f"{ttft[0]} / {ttft[1]}" if ttft else "-"
+        lines.append(f"| {mode} | {tok} | {tok / base(mode):.3f} | {t} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

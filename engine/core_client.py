@@ -71,9 +71,11 @@ class EngineProcess:
     ):
         self.config = config
         self.attached = attach is not None
-        self._workdir = None if attach else tempfile.mkdtemp(prefix="switchboard-core-")
-        self.address, self.authkey = attach or (os.path.join(self._workdir, "core.sock"),
-                                                os.urandom(16))
+        self._workdir: str | None = None
+        if attach is None:  # the socket's folder, the same for every core this one starts
+            self._workdir = tempfile.mkdtemp(prefix="switchboard-core-")
+            attach = (os.path.join(self._workdir, "core.sock"), os.urandom(16))
+        self.address, self.authkey = attach
         self.max_restarts, self.restart_window = restarts, restart_window
         self.restarts = 0  # how many times the core was replaced
         self._factory = engine_factory

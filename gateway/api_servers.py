@@ -47,7 +47,7 @@ class APIServers:
     def drain(self) -> None:
         """SIGTERM each: they drain, as the owner does meanwhile."""
         for p in self.procs:
-            if p.is_alive():
+            if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGTERM)
 
     def stop(self, timeout: float) -> None:
