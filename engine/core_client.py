@@ -31,6 +31,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -52,6 +53,7 @@ from lora.info import AdapterExists, AdapterInfo, AdapterStats
 
 log = logging.getLogger(__name__)
 
+SWITCH_INTERVAL_S = 0.0005  # as in the core's process (engine/core_process.py says why)
 CONNECT_TIMEOUT_S = 60.0  # from spawn to the core's socket listening (imports, no model yet)
 CALL_TIMEOUT_S = 300.0  # an adapter upload's validation in the core
 
@@ -106,6 +108,7 @@ class EngineProcess:
         if self._supervisor is not None:
             return
         self._loop = loop
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # the reader thread must not wait 5 ms
         self._supervisor = threading.Thread(target=self._supervise, name="core-supervisor",
                                             daemon=True)
         self._supervisor.start()

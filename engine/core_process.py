@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,12 +39,18 @@ from grammar.spec import GrammarError
 log = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.2
+# How long a thread that wants the GIL waits for the one holding it (Python's default: 5 ms).
+# The step loop holds it nearly always; at 5 ms the reader and writer threads came late enough
+# that the batch ran emptier: on an H200 (8B, 128 streams) 602 steps of 9.7 ms instead of the
+# offline engine's 475 of 10.6 ms, 0.885 of its tokens/s; at 0.5 ms, 475 steps and 0.970.
+SWITCH_INTERVAL_S = 0.0005
 
 
 def core_main(config: EngineConfig, address: str, authkey: bytes, parent_pid: int,
               engine_factory: Any = None) -> None:
     """The process's entry point (multiprocessing "spawn")."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s engine-core %(message)s")
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     watch_parent(parent_pid)
     CoreServer(config, address, authkey, engine_factory).serve()
 
