@@ -24,7 +24,6 @@ import os
 import queue
 import sys
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -32,13 +31,13 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core import LOAD_STAGES, STOP, Abort, EngineCore
 from engine.messages import GenerateRequest, RequestOutput
+from engine.parent_watch import watch_parent
 from engine.protocols import EngineStats
 from engine.wire import AdapterTable, Call, CoreFacts, Outputs, Reply, Status
 from grammar.spec import GrammarError
 
 log = logging.getLogger(__name__)
 
-PARENT_POLL_S = 0.2
 # How long a thread that wants the GIL waits for the one holding it (Python's default: 5 ms).
 # The step loop holds it nearly always; at 5 ms the reader and writer threads came late enough
 # that the batch ran emptier: on an H200 (8B, 128 streams) 602 steps of 9.7 ms instead of the
@@ -53,16 +52,6 @@ def core_main(config: EngineConfig, address: str, authkey: bytes, parent_pid: in
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     watch_parent(parent_pid)
     CoreServer(config, address, authkey, engine_factory).serve()
-
-
-def watch_parent(parent_pid: int) -> None:
-    """Exit this process at once when `parent_pid` is no longer its parent (it died)."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class CoreServer:

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig, ModelLoadError, ResolvedConfig
-from engine.core_process import watch_parent
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.parallel import (
@@ -33,6 +32,7 @@ from engine.parallel import (
     TPGroup,
     rank_fingerprint,
 )
+from engine.parent_watch import watch_parent
 from engine.partition import Partition
 from lora.layers import wrap_model
 from lora.slots import LoraSlots

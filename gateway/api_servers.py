@@ -63,7 +63,7 @@ def api_server_main(cfg: ServeConfig, port: int, address: str, authkey: bytes, p
                     ready: Any) -> None:
     """One more HTTP server (the process's entry point, multiprocessing "spawn")."""
     from engine.core_client import EngineProcess
-    from engine.core_process import watch_parent
+    from engine.parent_watch import watch_parent
     from gateway.app import create_app
     from gateway.server import ServerThread
 
