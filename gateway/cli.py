@@ -122,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
             return 1
         if cfg.api_servers > 1:
             engine = runtime.engine
-            others = APIServers(cfg, server.port, engine.address, engine.authkey)
+            others = APIServers(cfg, server.port, engine.link.address, engine.link.authkey)
             why = others.wait_ready()
             if why is not None:
                 _error(console, why)

@@ -64,7 +64,7 @@ def test_requests_run_in_the_core_process_and_its_facts_check_them():
     async def run() -> None:
         eng = await _started()
         try:
-            assert eng.ready and eng.proc.pid != os.getpid() and eng.max_model_len == 64
+            assert eng.ready and eng.link.proc.pid != os.getpid() and eng.max_model_len == 64
             outs = await asyncio.gather(*(_collect(_submit(eng, f"r{i}", 3 + i))
                                           for i in range(4)))
             for i, seq in enumerate(outs):
@@ -80,7 +80,7 @@ def test_requests_run_in_the_core_process_and_its_facts_check_them():
             assert eng.num_outstanding == 0
         finally:
             await asyncio.to_thread(eng.shutdown)
-        assert eng.proc.exitcode == 0
+        assert eng.link.proc.exitcode == 0
 
     asyncio.run(run())
 
@@ -89,7 +89,7 @@ def test_a_killed_core_fails_its_requests_at_once_and_is_replaced():
     async def run() -> None:
         eng = await _started()
         try:
-            first = eng.proc
+            first = eng.link.proc
             sinks = [_submit(eng, f"s{i}", 40) for i in range(16)]
             for sink in sinks:  # every stream has begun
                 await asyncio.wait_for(sink.get(), 10)
@@ -102,7 +102,7 @@ def test_a_killed_core_fails_its_requests_at_once_and_is_replaced():
                 assert "exit code -9" in seq[-1].error
             assert not eng.ready and eng.num_outstanding == 0
             await _until(lambda: eng.ready, 60)
-            assert eng.proc.pid != first.pid and eng.restarts == 1
+            assert eng.link.proc.pid != first.pid and eng.link.restarts == 1
             assert eng.fatal_error is None
             outs = await _collect(_submit(eng, "after", 3))
             assert [o.new_text for o in outs] == ["x", "x", "x"]
@@ -116,9 +116,9 @@ def test_a_core_that_keeps_dying_is_not_restarted_past_the_limit():
     async def run() -> None:
         eng = await _started(restarts=1)
         try:
-            os.kill(eng.proc.pid, signal.SIGKILL)
-            await _until(lambda: eng.ready and eng.restarts == 1, 60)
-            os.kill(eng.proc.pid, signal.SIGKILL)
+            os.kill(eng.link.proc.pid, signal.SIGKILL)
+            await _until(lambda: eng.ready and eng.link.restarts == 1, 60)
+            os.kill(eng.link.proc.pid, signal.SIGKILL)
             await _until(lambda: eng.fatal_error is not None, 10)
             assert "2 times" in eng.fatal_error and not eng.ready
             sink: asyncio.Queue = asyncio.Queue()
@@ -139,8 +139,8 @@ def test_a_core_that_cannot_load_reports_why_and_is_not_restarted(tmp_path):
         eng.start(asyncio.get_running_loop())
         assert await asyncio.to_thread(eng.wait_loaded, 120)
         assert eng.load_error is not None and "missing" in str(eng.load_error)
-        await _until(lambda: not eng.alive, 10)
-        assert eng.restarts == 0 and not eng.ready and eng.proc.exitcode is not None
+        await _until(lambda: not eng.link.alive, 10)
+        assert eng.link.restarts == 0 and not eng.ready and eng.link.proc.exitcode is not None
 
     asyncio.run(run())
 
