@@ -21,7 +21,7 @@ import logging
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,6 @@ import torch.distributed as dist
 from engine.config import ModelConfig, ResolvedConfig
 from lora.adapter import LoraAdapter
 from lora.slots import LoraSlots
-
-if TYPE_CHECKING:
-    from engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +123,14 @@ class LoadSlot:
 STOP = "stop"
 
 
-def rank_fingerprint(cfg: ModelConfig, model_dir: Path, model: LlamaForCausalLM
+def rank_fingerprint(cfg: ModelConfig, model_dir: Path, model: torch.nn.Module
                      ) -> dict[str, Any]:
     """What the ranks must agree on: the model's shape and files, the torch build, and the
-    final norm's weights (replicated on every rank: a differing checkpoint shows there)."""
+    final norm's weights (replicated on every rank: a differing checkpoint shows there).
+    `model`: an `engine.models.llama.LlamaForCausalLM` (typed as a module: the models import
+    this file's `TPGroup`, not the other way round)."""
     config = model_dir / "config.json"
-    norm = model.norm.weight.detach()
+    norm = model.get_parameter("norm.weight").detach()
     return {
         "model": asdict(cfg),
         "config.json": hashlib.sha256(config.read_bytes()).hexdigest(),

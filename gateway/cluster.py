@@ -14,37 +14,38 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from engine.protocols import EngineClient
 from gateway import redis_store, registry
 from gateway.adapter_store import SharedAdapterStore
-from gateway.auth import SharedKeys
+from gateway.auth import Authenticator, SharedKeys
+from gateway.config import ServeConfig
 from gateway.limits import SharedLimiter
 from gateway.session_store import RedisStore
 from gateway.shared_adapters import SharedAdapters
 from gateway.storage_quota import RedisLedger
 
-if TYPE_CHECKING:
-    from gateway.runtime import Runtime
-
 log = logging.getLogger(__name__)
 
 
 class Cluster:
-    def __init__(self, rt: Runtime, url: str):
-        cfg = rt.config
-        self.rt = rt
+    """`ready()`: whether this replica takes requests now (the runtime's)."""
+
+    def __init__(self, cfg: ServeConfig, auth: Authenticator, engine: EngineClient,
+                 ready: Callable[[], bool], url: str):
+        self.engine, self.ready = engine, ready
         self.clients = redis_store.connect_replica(url)
         self.redis = self.clients.text
         self.info = registry.ReplicaInfo(model=cfg.model_name)
         self.advertise_url = cfg.advertise_url
         publish = ((cfg.api_keys, cfg.tenants, cfg.admin_keys) if cfg.api_keys is not None
                    else None)
-        self.keys = SharedKeys(self.redis, rt.auth, publish)
-        self.limiter = SharedLimiter(self.redis, self.info.id, rt.auth.limits_for)
+        self.keys = SharedKeys(self.redis, auth, publish)
+        self.limiter = SharedLimiter(self.redis, self.info.id, auth.limits_for)
         self.adapters = SharedAdapters(SharedAdapterStore(self.clients.files),
-                                       lambda: rt.engine.adapters)
+                                       lambda: engine.adapters)
         self.sessions = RedisStore(self.redis)
         self.ledger = RedisLedger(self.redis)
         self._tasks: list[asyncio.Task[None]] = []
@@ -73,10 +74,10 @@ class Cluster:
 
     async def _heartbeat(self) -> None:
         while True:
-            ready = self.rt.ready and self.advertise_url is not None
-            base = self.info.base or (fingerprint(self.rt.engine.model_dir) if ready else "")
+            ready = self.ready() and self.advertise_url is not None
+            base = self.info.base or (fingerprint(self.engine.model_dir) if ready else "")
             self.info = dataclasses.replace(self.info, url=self.advertise_url or "", base=base,
-                                            ready=ready, load=self.rt.engine.num_outstanding)
+                                            ready=ready, load=self.engine.num_outstanding)
             try:
                 await registry.publish(self.redis, self.info)
             except Exception as e:  # noqa: BLE001 - Redis down: routers will drop us; retry

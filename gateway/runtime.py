@@ -47,7 +47,8 @@ class Runtime:
         if config.redis_url:
             from gateway.cluster import Cluster  # imports redis, needed only with --redis-url
 
-            self.cluster = Cluster(self, config.redis_url)
+            self.cluster = Cluster(config, self.auth, self.engine, lambda: self.ready,
+                                   config.redis_url)
         self.limiter: TenantLimiter | SharedLimiter = (
             self.cluster.limiter if self.cluster else TenantLimiter(self.auth.limits_for))
         self.seats = Seats(lambda: self.engine.num_outstanding, config.max_num_seqs,

@@ -15,7 +15,8 @@ what it has at hand, so the report costs no second run:
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import jsonschema
 
@@ -23,8 +24,6 @@ from grammar.validate import with_safe_patterns
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from grammar.bench import CaseResult
 
 CONTEXT = 30  # characters of JSON shown on each side of a refused token
 CARET = "‸"  # marks the refusal point in that JSON
@@ -106,7 +105,16 @@ def code(s: str) -> str:
     return f"{fence}{pad}{s}{pad}{fence}"
 
 
-def markdown(results: list[CaseResult], backend: str) -> str:
+class Outcome(Protocol):
+    """One case's result, as the report reads it (grammar/bench.py's `CaseResult`)."""
+
+    name: str
+    status: str
+    backend: str | None
+    detail: str
+
+
+def markdown(results: Sequence[Outcome], backend: str) -> str:
     """The failing cases as a Markdown table (case | status | backend | reason), sorted by
     status then name, under a line of counts."""
     failed = sorted((r for r in results if r.status != "pass"), key=lambda r: (r.status, r.name))
