@@ -328,9 +328,9 @@ class RemoteAdapters:
         return self._resident
 
     def add(self, tenant: str, name: str, path: str | Path, *, move: bool = False,
-            pin: bool = False) -> AdapterInfo:
-        return self._link.call("add_adapter", tenant, name, str(path), move, pin).result(
-            CALL_TIMEOUT_S)
+            pin: bool = False, version: str = "") -> AdapterInfo:
+        return self._link.call("add_adapter", tenant, name, str(path), move, pin,
+                               version).result(CALL_TIMEOUT_S)
 
     def remove(self, tenant: str, name: str) -> bool:
         return self._link.call("remove_adapter", tenant, name).result(CALL_TIMEOUT_S)

@@ -215,8 +215,9 @@ class CoreServer:
         manager = self.core.engine.adapters
         try:
             if call.method == "add_adapter":
-                tenant, name, path, move, pin = call.args
-                out.set_result(manager.add(tenant, name, path, move=move, pin=pin))
+                tenant, name, path, move, pin, version = call.args
+                out.set_result(manager.add(tenant, name, path, move=move, pin=pin,
+                                           version=version))
             elif call.method == "remove_adapter":
                 out.set_result(manager.remove(*call.args))
             else:

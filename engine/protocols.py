@@ -51,10 +51,12 @@ class AdapterRegistry(Protocol):
         ...
 
     def add(
-        self, tenant: str, name: str, path: str | Path, *, move: bool = False, pin: bool = False
+        self, tenant: str, name: str, path: str | Path, *, move: bool = False, pin: bool = False,
+        version: str = "",
     ) -> AdapterInfo:
         """Validate the PEFT folder at `path` and register it as the tenant's `name`
-        (`move=True`: move the folder into `store_dir`). A refused adapter leaves no trace.
+        (`move=True`: move the folder into `store_dir`; `version`: the shared registry's, kept
+        in its `AdapterInfo`). A refused adapter leaves no trace.
         Raises:
             ValueError: everything wrong with the folder or the name (lora's `AdapterError`,
                 whose `problems` lists each).

@@ -62,6 +62,11 @@ class AdapterEntry(TypedDict):
     version: str
 
 
+def new_version() -> str:
+    """A fresh version for an upload (given to the local registry, then published)."""
+    return uuid.uuid4().hex
+
+
 class SharedAdapterStore:
     def __init__(self, redis: Redis):
         """`redis`: a bytes client (`redis_store.Clients.files`): adapter files are binary."""
@@ -85,10 +90,10 @@ class SharedAdapterStore:
         return len(entries), sum(m.get("stored_bytes", 0) for m in entries)
 
     async def publish(self, tenant: str, name: str, meta: dict[str, object],
-                      files: dict[str, bytes], quota: AdapterQuota) -> str | None:
-        """Register `name` with its files (`meta["stored_bytes"]` their size); its version, or
-        None when the name is taken. Raises `QuotaExceeded`, registering nothing."""
-        version = uuid.uuid4().hex
+                      files: dict[str, bytes], quota: AdapterQuota, version: str) -> bool:
+        """Register `name` as `version` (`new_version()`) with its files (`meta["stored_bytes"]`
+        their size); False when the name is taken. Raises `QuotaExceeded`, registering
+        nothing."""
         args: list[str | int | bytes] = [name, json.dumps({**meta, "version": version}),
                                          quota.max_adapters, quota.max_bytes]
         for filename, data in files.items():
@@ -98,7 +103,7 @@ class SharedAdapterStore:
         if status == -1:
             count, used, size = usage
             raise QuotaExceeded(quota.problem(count, used, size) or "adapter quota exceeded")
-        return version if status == 1 else None
+        return status == 1
 
     async def download(self, tenant: str, name: str, version: str, dest: Path) -> None:
         """Write that version's files into the folder `dest`."""

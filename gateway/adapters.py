@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import shutil
 from collections import defaultdict
@@ -32,6 +33,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from engine.protocols import AdapterExists, AdapterInfo, AdapterRegistry
+from gateway.adapter_store import new_version
 from gateway.auth import Authenticate
 from gateway.errors import APIError, bad_request, clip, model_not_found, too_large
 from gateway.runtime import Runtime
@@ -71,10 +73,12 @@ def adapter_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
                     stored = manager.list(tenant)
                     count, used = len(stored), sum(a.stored_bytes for a in stored)
                 quota.check(count, used, sum(upload.size or 0 for _, upload in files))
-                info, blobs = await _store(manager, tenant, name, files, keep=bool(shared))
+                version = new_version() if shared else ""
+                info, blobs = await _store(manager, tenant, name, files, version)
                 obj = adapter_object(info, base)
                 # Another replica's upload may have taken the name or the quota meanwhile.
-                if shared and not await _publish(shared, manager, tenant, name, obj, blobs, quota):
+                if shared and not await _publish(shared, manager, tenant, name, obj, blobs, quota,
+                                                 version):
                     raise exists(name)
             return obj
         except QuotaExceeded as e:
@@ -119,18 +123,19 @@ def adapter_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
 
 async def _store(
     manager: AdapterRegistry, tenant: str, name: str, files: list[tuple[str, UploadFile]],
-    keep: bool,
+    version: str,
 ) -> tuple[AdapterInfo, dict[str, bytes]]:
     """Write the files to a staging folder and register it (validated, off the event loop).
-    Returns the adapter's info and, with `keep`, the files' bytes (for the shared registry).
-    A refused adapter leaves nothing behind."""
+    Returns the adapter's info and, with a shared registry's `version`, the files' bytes (to
+    publish). A refused adapter leaves nothing behind."""
     staging = staging_dir(manager)
     try:
         for filename, upload in files:
             with (staging / filename).open("wb") as out:
                 await asyncio.to_thread(shutil.copyfileobj, upload.file, out)
-        blobs = {f: (staging / f).read_bytes() for f, _ in files} if keep else {}
-        info = await asyncio.to_thread(manager.add, tenant, name, staging, move=True)
+        blobs = {f: (staging / f).read_bytes() for f, _ in files} if version else {}
+        info = await asyncio.to_thread(functools.partial(manager.add, tenant, name, staging,
+                                                         move=True, version=version))
     except AdapterExists:  # a concurrent upload of the same name won
         raise exists(name) from None
     except ValueError as e:  # AdapterError: everything wrong with the folder
@@ -149,11 +154,12 @@ def require_manager(rt: Runtime) -> AdapterRegistry:
 
 
 async def _publish(shared: SharedAdapters, manager: AdapterRegistry, tenant: str, name: str,
-                   obj: dict[str, object], blobs: dict[str, bytes], quota: AdapterQuota) -> bool:
+                   obj: dict[str, object], blobs: dict[str, bytes], quota: AdapterQuota,
+                   version: str) -> bool:
     """Register a validated upload in the shared registry; on a refusal or a failure, drop the
     local copy (nothing half-registered)."""
     try:
-        published = await shared.publish(tenant, name, obj, blobs, quota)
+        published = await shared.publish(tenant, name, obj, blobs, quota, version)
     except BaseException:
         await asyncio.to_thread(manager.remove, tenant, name)
         raise

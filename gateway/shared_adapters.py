@@ -12,6 +12,7 @@ keeps a replica from fetching one adapter twice at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import uuid
@@ -33,7 +34,6 @@ class SharedAdapters:
     def __init__(self, store: SharedAdapterStore, manager: Callable[[], AdapterRegistry | None]):
         """`manager()`: the engine's adapter manager (None until the engine is loaded)."""
         self.store, self.manager = store, manager
-        self.versions: dict[tuple[str, str], str] = {}  # what this replica registered
         self._locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def lock(self, tenant: str, name: str) -> asyncio.Lock:
@@ -49,11 +49,11 @@ class SharedAdapters:
             async with unavailable():
                 meta = await self.store.get(tenant, name)
             version = None if meta is None else meta["version"]
-            if manager.get(tenant, name) is not None:
-                if self.versions.get((tenant, name)) == version:
-                    return  # another request fetched it meanwhile
+            local = manager.get(tenant, name)
+            if local is not None:
+                if local.version == version:
+                    return  # another request (or HTTP process of this core) fetched it
                 await asyncio.to_thread(manager.remove, tenant, name)  # gone or replaced
-                self.versions.pop((tenant, name), None)
             if version is not None:
                 await self._fetch(manager, tenant, name, version)
 
@@ -65,10 +65,10 @@ class SharedAdapters:
         except failures() as e:
             log.warning("adapter registry unreachable (%s); using local adapters", e)
             return True
-        here = self._local().get(tenant, name) is not None
+        local = self._local().get(tenant, name)
         if meta is None:
-            return not here
-        return here and self.versions.get((tenant, name)) == meta["version"]
+            return local is None
+        return local is not None and local.version == meta["version"]
 
     async def _fetch(
         self, manager: AdapterRegistry, tenant: str, name: str, version: str
@@ -77,14 +77,14 @@ class SharedAdapters:
         try:
             async with unavailable():
                 await self.store.download(tenant, name, version, folder)
-            await asyncio.to_thread(manager.add, tenant, name, folder, move=True)
+            await asyncio.to_thread(functools.partial(manager.add, tenant, name, folder,
+                                                      move=True, version=version))
         except FileNotFoundError:
             return  # deleted between the two reads: as unknown as never uploaded
         except ValueError as e:  # AdapterError: the stored files do not validate here
             raise invalid(name, e) from None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        self.versions[(tenant, name)] = version
 
     async def claim(self, tenant: str, name: str) -> None:
         """Before an upload (under `lock`): 409 when the name is registered; a local copy of
@@ -100,15 +100,12 @@ class SharedAdapters:
             return await self.store.usage(tenant)
 
     async def publish(self, tenant: str, name: str, obj: dict[str, object],
-                      files: dict[str, bytes], quota: AdapterQuota) -> bool:
-        """Register a validated upload (already in the local manager). False: name taken.
-        Raises `QuotaExceeded` (checked in Redis, atomically across replicas)."""
+                      files: dict[str, bytes], quota: AdapterQuota, version: str) -> bool:
+        """Register a validated upload (already in the local manager, as `version`). False:
+        name taken. Raises `QuotaExceeded` (checked in Redis, atomically across replicas)."""
         meta = {k: v for k, v in obj.items() if k not in ("tier", "pinned")}
         async with unavailable():
-            version = await self.store.publish(tenant, name, meta, files, quota)
-        if version is not None:
-            self.versions[(tenant, name)] = version
-        return version is not None
+            return await self.store.publish(tenant, name, meta, files, quota, version)
 
     async def list(self, tenant: str) -> list[dict[str, object]]:
         async with unavailable():
@@ -124,7 +121,6 @@ class SharedAdapters:
             meta = await self.store.get(tenant, name)
             deleted = meta is not None and await self.store.delete(tenant, name, meta["version"])
         await asyncio.to_thread(self._local().remove, tenant, name)
-        self.versions.pop((tenant, name), None)
         return deleted
 
     def _view(self, tenant: str, meta: AdapterEntry) -> dict[str, object]:
@@ -133,7 +129,7 @@ class SharedAdapters:
         name, version = meta["id"], meta["version"]
         local = self._local().get(tenant, name)
         obj = {k: v for k, v in meta.items() if k != "version"}
-        if local is None or self.versions.get((tenant, name)) != version:
+        if local is None or local.version != version:
             return {**obj, "pinned": False, "tier": "store"}
         return {**obj, "pinned": local.pinned, "tier": local.tier}
 

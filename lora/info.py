@@ -23,6 +23,7 @@ class AdapterInfo:
     created: int
     pinned: bool
     tier: str  # "device" | "host" | "disk": the fastest tier holding it now
+    version: str = ""  # the shared registry's version it was registered as ("": local only)
 
 
 @dataclass

@@ -71,6 +71,7 @@ class _Entry:
     stored_bytes: int
     uid: int  # its files' hash: KV namespaces key on it (`content_uid`)
     pinned: bool = False
+    version: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     removed: bool = False
     adapter: LoraAdapter | None = None  # host tier
@@ -111,12 +112,14 @@ class AdapterManager:
     # -- registry (any thread) ----------------------------------------------------------------
 
     def add(
-        self, tenant: str, name: str, path: str | Path, *, move: bool = False, pin: bool = False
+        self, tenant: str, name: str, path: str | Path, *, move: bool = False, pin: bool = False,
+        version: str = "",
     ) -> AdapterInfo:
         """Validate the PEFT folder at `path` and register it as `name` for `tenant`.
 
         `move=True` moves the folder into the store directory (uploads); otherwise the folder
-        stays where it is and is read from there whenever the host cache lost it. Validation
+        stays where it is and is read from there whenever the host cache lost it. `version`
+        labels it (the shared registry's version, with `--redis-url`). Validation
         happens before anything is registered, so a bad adapter leaves no trace.
         Raises:
             AdapterError: every problem with the folder or the name.
@@ -139,6 +142,7 @@ class AdapterManager:
                 folder.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(path, folder)
             entry = _entry(tenant, name, folder, owned, adapter, pin, uid)
+            entry.version = version
             self._registry[(tenant, name)] = entry
             self._host_put(entry, adapter)
             return self._info(entry)
@@ -371,7 +375,7 @@ class AdapterManager:
     def _info(self, e: _Entry) -> AdapterInfo:
         tier = "device" if e.slot is not None else "host" if e.adapter is not None else "disk"
         return AdapterInfo(e.name, e.tenant, e.rank, e.target_modules, e.num_bytes,
-                           e.stored_bytes, e.created, e.pinned, tier)
+                           e.stored_bytes, e.created, e.pinned, tier, e.version)
 
 
 def _entry(

@@ -25,7 +25,7 @@ from engine.page_allocator import PageAllocator
 from engine.request import Request
 from engine.scheduler import Scheduler
 from gateway import redis_store
-from gateway.adapter_store import SharedAdapterStore
+from gateway.adapter_store import SharedAdapterStore, new_version
 from lora.adapter import AdapterError, load_adapter
 from lora.manager import AdapterManager
 from lora.quota import AdapterQuota, QuotaExceeded
@@ -314,19 +314,20 @@ def test_the_shared_registry_enforces_the_quota_atomically(redis_url: str) -> No
         meta = {"created": 0, "stored_bytes": 10}
         results = await asyncio.gather(*(
             stores[i % 2].publish("quota-t", f"a{i}", {**meta, "id": f"a{i}"}, {"f": b"x"},
-                                  quota) for i in range(8)), return_exceptions=True)
+                                  quota, new_version()) for i in range(8)),
+            return_exceptions=True)
         assert (await stores[0].usage("quota-t")) == (3, 30)
         with pytest.raises(QuotaExceeded, match="storage quota exceeded"):
             await stores[0].publish("quota-t2", "big", {"id": "big", "created": 0,
                                                         "stored_bytes": 11}, {"f": b"x"},
-                                    AdapterQuota(3, 10))
+                                    AdapterQuota(3, 10), new_version())
         assert await stores[0].list("quota-t2") == []
         for c in clients:
             await c.aclose()
         return results
 
     results = asyncio.run(main())
-    assert sum(isinstance(r, str) for r in results) == 3
+    assert sum(r is True for r in results) == 3
     assert sum(isinstance(r, QuotaExceeded) for r in results) == 5
 
 

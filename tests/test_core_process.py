@@ -21,7 +21,9 @@ from engine.config import EngineConfig
 from engine.core_client import EngineProcess, EngineUnavailable
 from engine.messages import GenerateRequest, RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from tests.conftest import read_metrics
 from tests.test_async_engine import FakeEngine
+from tests.test_lora_http import make_adapter
 from tests.test_sessions import redis_server, redis_url  # noqa: F401 - module-scoped fixtures
 
 
@@ -264,7 +266,8 @@ def test_two_api_servers_share_the_port_and_the_core(tmp_path, redis_url):  # no
     both processes' streams and both serve again after its restart; SIGTERM stops all."""
     from tests.conftest import serve
 
-    with serve(tmp_path, "--api-servers", "2", "--redis-url", redis_url) as server:
+    with serve(tmp_path, "--api-servers", "2", "--redis-url", redis_url,
+               "--adapter-dir", str(tmp_path / "adapters")) as server:
         headers = {"Authorization": f"Bearer {server.api_key}"}
         children = _spawned(server.pid)
         assert len(children) == 2  # the core and the second HTTP process
@@ -285,6 +288,21 @@ def test_two_api_servers_share_the_port_and_the_core(tmp_path, redis_url):  # no
                 assert r.status_code == 200, r.text
             history = clients[0].get(f"/v1/sessions/{sid}").json()["messages"]
             assert len(history) == 12
+
+            # an adapter uploaded through one process serves through both, registered once:
+            # the other process finds the shared version in the core's registry
+            folder = make_adapter(tmp_path / "lora")
+            files = [("files", (p.name, p.read_bytes())) for p in sorted(folder.iterdir())]
+            assert clients[0].post("/v1/adapters", data={"name": "bot"},
+                                   files=files).status_code == 200
+            loads = read_metrics(server.url)['switchboard_adapter_loads_total{tier="host"}']
+            for c in clients:
+                r = c.post("/v1/completions", json={"model": "bot", "prompt": "Hi",
+                                                    "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                assert c.get("/v1/adapters/bot").json()["tier"] != "store"
+            assert read_metrics(server.url)[
+                'switchboard_adapter_loads_total{tier="host"}'] == loads
 
             body = {"model": server.model, "max_tokens": 200, "stream": True,
                     "ignore_eos": True, "messages": [{"role": "user", "content": "A story."}]}
