@@ -25,7 +25,7 @@ from engine.detokenizer import Decoder, IncrementalDetokenizer
 from engine.kv_disk import DiskKV, fingerprint
 from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
-from engine.model_runner import ModelRunner, Step
+from engine.model_runner import Step, build_runner
 from engine.page_allocator import PageAllocator
 from engine.parallel import SentSlots, rank_fingerprint
 from engine.partition import Partition
@@ -40,7 +40,6 @@ from engine.speculative import CPU_MAX_BATCH, MAX_BATCH, DeviceDrafter, Speculat
 from engine.structured import GrammarStage
 from engine.workers import Workers
 from kernels import spec_decode
-from lora.layers import wrap_model
 from lora.manager import AdapterManager, UnknownAdapter
 from lora.slots import LoraSlots
 
@@ -112,15 +111,8 @@ class LLMEngine:
         elif cfg.max_loras:
             slots = LoraSlots(mc, cfg.max_loras, cfg.max_lora_rank, dtype, device)
         self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
-        lora = wrap_model(self.model, slots) if slots else None
-        self.runner = ModelRunner(
-            self.model, cfg.num_pages, cfg.page_size, cfg.seed, grammar=self.grammar, lora=lora,
-            cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
-            max_model_len=cfg.max_model_len, eos_token_ids=sorted(self.eos_token_ids),
-            host_kv_pages=cfg.host_kv_pages if cfg.prefix_cache else 0, tp=tp,
-            verify_queries=1 + cfg.num_speculative_tokens if cfg.num_speculative_tokens else 0,
-            piecewise_max_tokens=cfg.max_num_batched_tokens if cfg.piecewise_graphs else 0,
-        )
+        self.runner = build_runner(self.model, cfg, sorted(self.eos_token_ids), slots, tp,
+                                   self.grammar)
         if self.speculator is not None and self.overlap:
             # The overlapped speculative loop's kernels compile now, not in its first step.
             spec_decode.warm_up(device, self.speculator.k, cfg.page_size)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.config import ResolvedConfig
 from engine.cuda_graphs import (
     EXTEND_ROWS,
     DecodeGraphs,
@@ -36,7 +37,8 @@ from engine.step_inputs import StepInputs
 from engine.structured import GrammarStage
 from kernels.attention import AttentionMetadata
 from kernels.upload import upload
-from lora.layers import LoraContext
+from lora.layers import LoraContext, wrap_model
+from lora.slots import LoraSlots
 
 EXTEND_GRAPH_TOKENS = 256  # chunks up to this long replay a graph when alone in their step
 # Mixed steps up to this many tokens replay piecewise graphs (engine/piecewise_graphs.py);
@@ -357,4 +359,21 @@ def _non_finite_error(req: Request) -> str:
     adapter = req.params.adapter
     return "the model produced non-finite logits (NaN or Inf) for this request" + (
         f" under LoRA adapter {adapter!r}; its weights may overflow" if adapter else ""
+    )
+
+
+def build_runner(model: LlamaForCausalLM, cfg: ResolvedConfig, eos_token_ids: list[int],
+                 slots: LoraSlots | None, tp: TPGroup | None = None,
+                 grammar: GrammarStage | None = None) -> ModelRunner:
+    """The model runner `cfg` asks for, built the same way by rank 0 (which passes its grammar
+    stage) and by every tensor-parallel worker: their graphs, and so the collectives inside
+    them, must match."""
+    return ModelRunner(
+        model, cfg.num_pages, cfg.page_size, cfg.seed, grammar=grammar,
+        lora=wrap_model(model, slots) if slots else None,
+        cuda_graph_max_batch=cfg.max_num_seqs if cfg.cuda_graphs else 0,
+        max_model_len=cfg.max_model_len, eos_token_ids=eos_token_ids,
+        host_kv_pages=cfg.host_kv_pages if cfg.prefix_cache else 0, tp=tp,
+        verify_queries=1 + cfg.num_speculative_tokens if cfg.num_speculative_tokens else 0,
+        piecewise_max_tokens=cfg.max_num_batched_tokens if cfg.piecewise_graphs else 0,
     )

@@ -21,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig, ModelLoadError, ResolvedConfig
 from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import build_runner
 from engine.parallel import (
     COLLECTIVE_TIMEOUT,
     STOP,
@@ -34,7 +34,6 @@ from engine.parallel import (
 )
 from engine.parent_watch import watch_parent
 from engine.partition import Partition
-from lora.layers import wrap_model
 from lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
@@ -194,12 +193,7 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: 
         c = setup.cfg
         slots = (LoraSlots(part.local(mc), c.max_loras, c.max_lora_rank, dtype, device,
                            part.cut_lora) if c.max_loras else None)
-        runner = ModelRunner(
-            model, c.num_pages, c.page_size, c.seed, lora=wrap_model(model, slots) if slots
-            else None, cuda_graph_max_batch=c.max_num_seqs if c.cuda_graphs else 0,
-            max_model_len=c.max_model_len, eos_token_ids=setup.eos_token_ids, tp=tp,
-            verify_queries=1 + c.num_speculative_tokens if c.num_speculative_tokens else 0,
-        )
+        runner = build_runner(model, c, setup.eos_token_ids, slots, tp)
         while (msg := tp.recv()) != STOP:
             if isinstance(msg, Forward):
                 ids = None
