@@ -51,6 +51,17 @@ log = logging.getLogger(__name__)
 STEP_KINDS = ("overlapped", "synchronous", "speculative")
 
 
+class AdapterAdmission:
+    """The scheduler's adapter predicate (`engine.scheduler.Admission`) over the manager's
+    leases: a base request may start; one with an adapter once its slot is pinned."""
+
+    def __init__(self, manager: AdapterManager):
+        self.manager = manager
+
+    def can_admit(self, req: Request) -> bool:
+        return req.lora is None or self.manager.admit(req.lora)
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         if cfg.threads:
@@ -124,7 +135,7 @@ class LLMEngine:
             cfg.page_size,
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
-            adapters=self.adapters,
+            adapters=AdapterAdmission(self.adapters),
             is_ready=self.grammar.is_ready,
             cache=self.prefix_cache,
         )
@@ -170,11 +181,13 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, tenant, session_id=session_id)
-        try:
-            self.adapters.attach(req)
-        except UnknownAdapter:
-            raise InvalidRequestError(f"unknown adapter {params.adapter!r}", "model") from None
-        req.adapter_uid = self.adapters.uid_of(req)
+        if params.adapter is not None:
+            try:
+                req.lora = self.adapters.attach(tenant, params.adapter)
+            except UnknownAdapter:
+                raise InvalidRequestError(f"unknown adapter {params.adapter!r}",
+                                          "model") from None
+            req.adapter_uid = req.lora.uid
         req.output_state = self._output_stage(req)
         self.grammar.submit(req)
         self._requests[request_id] = req
@@ -485,7 +498,8 @@ class LLMEngine:
     def _not_startable(self) -> list[tuple[Request, str]]:
         """Waiting requests that can never start: their adapter failed to load, or their
         grammar failed to compile."""
-        failed = list(self.adapters.take_failed())
+        leases = dict(self.adapters.take_failed())
+        failed = [(r, leases[r.lora]) for r in self._requests.values() if r.lora in leases]
         for req in self.scheduler.waiting:
             error = GrammarStage.compile_error(req)
             if error is not None:
@@ -587,7 +601,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
-        self.adapters.release(req)
+        if req.lora is not None:
+            self.adapters.release(req.lora)
         self.runner.sampler.release(req.request_id)
         if self.speculator is not None:
             self.speculator.release(req.request_id)

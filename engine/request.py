@@ -6,9 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lora.manager import Lease
 
 _arrival = itertools.count()
 
@@ -41,9 +44,7 @@ class Request:
     cache_node: Any = None
     session_id: str | None = None  # a session's turn: its KV stays pinned after it finishes
     adapter_uid: int = 0  # which weights of `params.adapter` (set by the engine; 0: base)
-    # Its adapter's device slot, pinned from admission to finish (AdapterManager.can_admit);
-    # -1: the base model.
-    lora_slot: int = -1
+    lora: Lease | None = None  # its hold on `params.adapter` (lora/manager.py); None: base
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
@@ -68,6 +69,11 @@ class Request:
         """KV is shared only within one (tenant, adapter weights): an adapter is named by a
         hash of its files, so other weights under the same name are another adapter."""
         return (self.tenant, self.params.adapter, self.adapter_uid)
+
+    @property
+    def lora_slot(self) -> int:
+        """Its adapter's device slot, pinned from admission to finish; -1: none (yet)."""
+        return -1 if self.lora is None else self.lora.slot
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,23 +4,25 @@
     host    up to `max_cpu_loras` validated `LoraAdapter`s in memory (LRU);
     disk    the adapter's folder: the store directory (uploads) or the caller's own path.
 
-A request's adapter, from the engine thread:
+A request's adapter, from the engine thread, through a `Lease` (the manager never sees the
+engine's request):
 
-    attach(req)     at add_request: bind the request to (tenant, adapter) or raise.
-    can_admit(req)  the scheduler's one predicate. True once the adapter sits in a device slot;
-                    that slot is then pinned, and set on the request (`req.lora_slot`, which
-                    the model runner reads), until release(req). Otherwise it starts reading
-                    the folder in a background thread (never on the step loop) and answers
-                    False: the request waits and the others go ahead. When the read or the
-                    copy into the slot fails, the requests waiting for that adapter fail
+    attach(tenant, name)  at add_request: a lease on (tenant, adapter), or UnknownAdapter. Its
+                    `uid` names the adapter's weights (the prefix cache keys KV on it).
+    admit(lease)    the scheduler's predicate. True once the adapter sits in a device slot;
+                    that slot is then pinned and named by `lease.slot` (which the model runner
+                    reads through the request) until release(lease). Otherwise it starts
+                    reading the folder in a background thread (never on the step loop) and
+                    answers False: the request waits and the others go ahead. When the read or
+                    the copy into the slot fails, the leases waiting for that adapter fail
                     (`take_failed`), never the step.
-    release(req)    at finish or abort: unpin.
+    release(lease)  at finish or abort: unpin.
 
 Eviction is LRU among unpinned adapters in both tiers. A slot is pinned while an admitted
 request uses it; `pin=True` adapters are never evicted (at most `max_loras - 1` of them, so one
 slot always rotates). `add` / `remove` / `get` / `list` come from other threads (the gateway);
 one lock guards all state. Weights are copied host -> device only on the engine thread, inside
-`can_admit`, that is between forwards.
+`admit`, that is between forwards.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ from lora.slots import LoraSlots
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
-    from engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,20 @@ class _Entry:
     active: int = 0  # admitted requests using the slot (pins it)
 
 
+@dataclass(eq=False)
+class Lease:
+    """One request's hold on its adapter, from `attach` to `release`."""
+
+    entry: _Entry
+    slot: int = -1  # the device slot while admitted (pinned); -1 before
+
+    @property
+    def uid(self) -> int:
+        """Which weights it runs (`content_uid`): KV computed under one never serves another,
+        even under the same name."""
+        return self.entry.uid
+
+
 class AdapterManager:
     """Implements `engine.protocols.AdapterRegistry` (the gateway's view) structurally."""
 
@@ -102,9 +117,8 @@ class AdapterManager:
         self._host: OrderedDict[_Entry, None] = OrderedDict()  # LRU first
         self._owner: list[_Entry | None] = [None] * self.max_loras  # slot -> entry
         self._slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.max_loras))
-        self._attached: dict[Request, _Entry] = {}
-        self._admitted: set[Request] = set()
-        self._failed: list[tuple[Request, str]] = []
+        self._leases: set[Lease] = set()  # attached, not released
+        self._failed: list[tuple[Lease, str]] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         if store_dir is not None:
             self._scan_store()
@@ -159,9 +173,9 @@ class AdapterManager:
             entry.adapter = None
             if entry.owned:
                 shutil.rmtree(entry.path, ignore_errors=True)
-            for req, e in self._attached.items():
-                if e is entry and req not in self._admitted:
-                    self._failed.append((req, f"adapter {name!r} was deleted"))
+            for lease in self._leases:
+                if lease.entry is entry and lease.slot < 0:
+                    self._failed.append((lease, f"adapter {name!r} was deleted"))
             return True
 
     def get(self, tenant: str, name: str) -> AdapterInfo | None:
@@ -189,64 +203,48 @@ class AdapterManager:
 
     # -- requests (engine thread) -------------------------------------------------------------
 
-    def attach(self, req: Request) -> None:
-        """Bind `req` to its adapter (`req.params.adapter`, of `req.tenant`); no-op for base.
-        Raises UnknownAdapter."""
-        name = req.params.adapter
-        if name is None:
-            return
+    def attach(self, tenant: str, name: str) -> Lease:
+        """A lease on the tenant's adapter `name`. Raises UnknownAdapter."""
         with self._lock:
-            entry = self._registry.get((req.tenant, name))
+            entry = self._registry.get((tenant, name))
             if entry is None:
                 raise UnknownAdapter(name)
-            self._attached[req] = entry
+            lease = Lease(entry)
+            self._leases.add(lease)
+            return lease
 
-    def can_admit(self, req: Request) -> bool:
-        """True when `req` may run now: base, or its adapter is in a device slot (which stays
-        pinned until `release(req)`). False starts what is missing in the background."""
-        entry = self._attached.get(req)
-        if entry is None or req in self._admitted:
+    def admit(self, lease: Lease) -> bool:
+        """True when the lease's request may run now: its adapter is in a device slot (pinned,
+        as `lease.slot`, until `release`). False starts what is missing in the background."""
+        if lease.slot >= 0:
             return True
+        entry = lease.entry
         with self._lock:
             if entry.slot is None and not self._make_resident(entry):
                 return False
-            self._admitted.add(req)
             entry.active += 1
-            req.lora_slot = entry.slot  # type: ignore[assignment]
+            lease.slot = entry.slot  # type: ignore[assignment]
             self._slot_lru.move_to_end(entry.slot)  # type: ignore[arg-type]
             if entry.adapter is not None:
                 self._host.move_to_end(entry)
             return True
 
-    def uid_of(self, req: Request) -> int:
-        """Which weights of its adapter `req` runs (0: base; `content_uid`). KV computed under
-        one must never serve another, even under the same name (the prefix cache keys on
-        it); the same files, registered again or after a restart, find their KV again."""
-        entry = self._attached.get(req)
-        return 0 if entry is None else entry.uid
-
-    def slot_of(self, req: Request) -> int:
-        """The device slot holding `req`'s adapter now (-1: none)."""
-        entry = self._attached.get(req)
-        return -1 if entry is None or entry.slot is None else entry.slot
-
-    def release(self, req: Request) -> None:
+    def release(self, lease: Lease) -> None:
         with self._lock:
-            entry = self._attached.pop(req, None)
-            if entry is not None and req in self._admitted:
-                self._admitted.discard(req)
-                entry.active -= 1
-                req.lora_slot = -1
+            self._leases.discard(lease)
+            if lease.slot >= 0:
+                lease.entry.active -= 1
+                lease.slot = -1
 
     # Below `def list`, that method shadows the builtin in annotations: `builtins.list`.
-    def take_failed(self) -> builtins.list[tuple[Request, str]]:
-        """Attached requests whose adapter cannot be loaded any more (deleted, or its folder
-        became unreadable); the engine fails them."""
+    def take_failed(self) -> builtins.list[tuple[Lease, str]]:
+        """Leases whose adapter cannot be loaded any more (deleted, or its folder became
+        unreadable); the engine fails their requests."""
         if not self._failed:
             return []
         with self._lock:
             failed, self._failed = dict(self._failed), []
-            return [(r, why) for r, why in failed.items() if r in self._attached]
+            return [(lease, why) for lease, why in failed.items() if lease in self._leases]
 
     def pending_loads(self) -> builtins.list[Future]:
         """The background reads in flight."""
@@ -306,7 +304,7 @@ class AdapterManager:
         """Fail the requests waiting for `entry` (the engine takes them from `take_failed`)."""
         why = f"adapter {entry.name!r} {problem}"
         log.warning("%s (tenant %r)", why, entry.tenant)
-        self._failed += [(r, why) for r, x in self._attached.items() if x is entry]
+        self._failed += [(lease, why) for lease in self._leases if lease.entry is entry]
 
     def _free_slot(self) -> int | None:
         """An empty slot, else the least recently used one nobody pins."""

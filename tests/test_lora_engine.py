@@ -213,8 +213,6 @@ def test_smollm2_greedy_equals_peft_generate(smollm2, hf_smollm2, tmp_path):
 
 
 def test_manager_pins_slots_and_loads_in_background(tiny):
-    from engine.request import Request
-
     base, paths, _ = tiny
     llm = LLM(model=str(base), max_loras=1, max_cpu_loras=1, max_lora_rank=16, num_pages=32,
               page_size=4)
@@ -222,17 +220,16 @@ def test_manager_pins_slots_and_loads_in_background(tiny):
     m.add("t", "a", paths["all8"])
     m.add("t", "b", paths["qv4"])  # the host cache holds one: "a" goes back to disk only
     assert [i.tier for i in m.list("t")] == ["disk", "host"]
-    ra = Request("ra", [1, 2], SamplingParams(adapter="a"), tenant="t")
-    rb = Request("rb", [1, 2], SamplingParams(adapter="b"), tenant="t")
-    m.attach(ra), m.attach(rb)
-    assert not m.can_admit(ra)  # starts the disk read in the loader thread
+    ra, rb = m.attach("t", "a"), m.attach("t", "b")  # two requests' leases
+    assert ra.uid != rb.uid and ra.slot == rb.slot == -1
+    assert not m.admit(ra)  # starts the disk read in the loader thread
     m.wait_for_loads(30)
-    assert m.can_admit(ra) and m.slot_of(ra) == 0 and m.get("t", "a").tier == "device"
-    assert not m.can_admit(rb)  # the only slot is pinned by ra
+    assert m.admit(ra) and ra.slot == 0 and m.get("t", "a").tier == "device"
+    assert not m.admit(rb)  # the only slot is pinned by ra
     m.release(ra)
-    assert not m.can_admit(rb)  # reading "a" evicted "b" from the one-adapter host cache
+    assert not m.admit(rb)  # reading "a" evicted "b" from the one-adapter host cache
     m.wait_for_loads(30)
-    assert m.can_admit(rb) and m.slot_of(rb) == 0 and m.slot_of(ra) == -1
+    assert m.admit(rb) and rb.slot == 0 and ra.slot == -1
     assert m.stats.evictions["device"] == 1 and m.num_resident == {"device": 1, "host": 1}
     assert m.get("other-tenant", "a") is None and m.list("other-tenant") == []
 
