@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 import jsonschema
 import referencing
@@ -79,14 +79,23 @@ class ConstraintSpec:
         text = json.dumps([self.kind, self.payload], ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()
 
+    @cached_property
+    def parsed(self) -> Any:
+        """The payload's JSON value, parsed once for every reader (json_schema: the schema;
+        tool_calls: the tools and the call mode); None for the other kinds. Shared: read it,
+        never change it."""
+        if self.kind in ("json_schema", "tool_calls") and isinstance(self.payload, str):
+            return json.loads(self.payload)
+        return None
+
     def schema(self) -> JSONSchema:
-        """The JSON schema to enforce; json_object means any JSON object."""
+        """The JSON schema to enforce (`parsed`: read-only); json_object means any JSON
+        object."""
         if self.kind == "json_object":
             return {"type": "object"}
         if self.kind != "json_schema":
             raise ValueError(f"a {self.kind} constraint has no JSON schema")
-        assert isinstance(self.payload, str)
-        return json.loads(self.payload)
+        return self.parsed
 
 
 def parse_constraint(

@@ -247,7 +247,7 @@ def call_format(spec: ConstraintSpec) -> CallFormat:
 def _payload(spec: ConstraintSpec) -> _Payload:
     if spec.kind != "tool_calls" or not isinstance(spec.payload, str):
         raise ValueError(f"not a tool_calls constraint: {spec.kind}")
-    return json.loads(spec.payload)
+    return spec.parsed  # parsed once per spec: read-only
 
 
 def _tool(t: object, p: str) -> Tool:
