@@ -21,16 +21,17 @@ from typing import cast
 import torch
 
 from engine.config import EngineConfig, ModelConfig, ModelLoadError, ResolvedConfig
-from engine.detokenizer import Decoder, IncrementalDetokenizer
+from engine.detokenizer import Decoder
 from engine.kv_disk import DiskKV, fingerprint
 from engine.loader import load_model, resolve_model_dir
 from engine.messages import RequestOutput
 from engine.model_runner import Step, build_runner
+from engine.output_processor import OutputProcessor
 from engine.page_allocator import PageAllocator
 from engine.parallel import SentSlots, rank_fingerprint
 from engine.partition import Partition
 from engine.prefix_cache import PrefixCache
-from engine.reasoning import Reasoning, ReasoningDetokenizer, ReasoningFormat
+from engine.reasoning import ReasoningFormat
 from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import InvalidRequestError, SamplingParams, check_request
@@ -140,6 +141,10 @@ class LLMEngine:
             cache=self.prefix_cache,
         )
         self._requests: dict[str, Request] = {}
+        self.out = OutputProcessor(self.scheduler, self.grammar, self.adapters, self.runner,
+                                   lambda: self.speculator, self._requests, self.eos_token_ids,
+                                   self.max_model_len, self.decoder, self.reasoning_format,
+                                   self.tokenizer)
         self._ahead: Step | None = None  # the overlapped decode step in flight
         # The overlapped speculative loop (engine/spec_loop.py): its sequences on the device,
         # and its step in flight.
@@ -188,28 +193,18 @@ class LLMEngine:
                 raise InvalidRequestError(f"unknown adapter {params.adapter!r}",
                                           "model") from None
             req.adapter_uid = req.lora.uid
-        req.output_state = self._output_stage(req)
+        req.output_state = self.out.output_stage(req)
         self.grammar.submit(req)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return req
 
-    def _output_stage(self, req: Request) -> IncrementalDetokenizer | ReasoningDetokenizer:
-        """The request's detokenizer; a reasoning one (and `req.reasoning`) when the model
-        reasons and the request asks for it."""
-        p, fmt = req.params, self.reasoning_format
-        if fmt is None or not p.reasoning:
-            return IncrementalDetokenizer(self.decoder, req.prompt_token_ids, p.stop)
-        thinking = fmt.thinks_first(req.prompt_token_ids, self.tokenizer)
-        req.reasoning = Reasoning(fmt, p.max_reasoning_tokens, thinking)
-        return ReasoningDetokenizer(self.decoder, req.prompt_token_ids, p.stop, req.reasoning)
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
         if req is None:
             return None
-        self._finish(req, "abort")
-        return self._output(req, [], None)
+        self.out.finish(req, "abort")
+        return self.out.output(req, [], None)
 
     def release_session(self, session_id: str) -> None:
         """A session ended: its KV stays cached but is no longer pinned."""
@@ -260,7 +255,7 @@ class LLMEngine:
                 times[1] += time.perf_counter() - start
 
     def _step(self) -> list[RequestOutput]:
-        failed = [self._fail(req, why) for req, why in self._not_startable()]
+        failed = [self.out.fail(req, why) for req, why in self._not_startable()]
         if self._loop_ahead is not None:
             self._kind = "speculative"
             return failed + self._loop_step(self._loop_ahead)
@@ -268,7 +263,7 @@ class LLMEngine:
             self._kind = "overlapped"
             return failed + self._overlap_step(self._ahead)
         batch = self.scheduler.schedule()
-        failed += [self._fail(req, why) for req, why in batch.failed]
+        failed += [self.out.fail(req, why) for req, why in batch.failed]
         if not batch:
             if not failed:
                 self._wait_for_background(0.05)
@@ -278,7 +273,7 @@ class LLMEngine:
             self._kind = "speculative"
             return failed + self._loop_step(looped)
         if self.speculator is not None and self.speculator.attach(
-            batch, self._tokens_left, self.scheduler.add_draft,
+            batch, self.out.tokens_left, self.scheduler.add_draft,
             self.scheduler.max_num_batched_tokens, self.grammar,
         ):
             self._kind = "speculative"
@@ -289,7 +284,7 @@ class LLMEngine:
             self.runner.sample(first, first.rows)
             return failed + self._overlap_step(first)
         self._kind = "synchronous"
-        return failed + self.postprocess(batch, self.runner.run(batch))
+        return failed + self.out.postprocess(batch, self.runner.run(batch))
 
     def _overlap_step(self, prev: Step) -> list[RequestOutput]:
         """One step of the overlapped loop. `prev` (step N) is in flight, its draw queued: queue
@@ -299,10 +294,10 @@ class LLMEngine:
         decodes on or starts, or when one must start in chunks."""
         self._ahead = None  # until N+1 is queued: if this raises, nothing stays in flight
         nxt = self._next_step(prev)
-        failed = [self._fail(req, why) for req, why in nxt.failed] if nxt else []
+        failed = [self.out.fail(req, why) for req, why in nxt.failed] if nxt else []
         ahead = self.runner.launch(nxt, after=prev) if nxt else None
         # N+1 decodes N's sampled token: no forced (jump-forward) tokens may follow it.
-        outputs = failed + self.postprocess(
+        outputs = failed + self.out.postprocess(
             prev.batch, self.runner.collect(prev), jump_forward=False)
         if ahead is not None:
             alive = [r for r in ahead.rows if not r.finished]
@@ -316,7 +311,7 @@ class LLMEngine:
         decode on, and waiting requests whose whole prompt fits start beside them (their
         prefill overlaps too). None when the regular schedule must decide."""
         assert prev.drawn is not None, "an overlapped step's draw is queued at launch"
-        reqs = [r for r in prev.drawn.reqs if not r.finished and self._tokens_left(r) > 1]
+        reqs = [r for r in prev.drawn.reqs if not r.finished and self.out.tokens_left(r) > 1]
         spec = self.speculator
         if spec is not None and spec.wants(len(reqs)) and any(map(spec.may_draft, reqs)):
             return None  # the regular schedule attaches drafts
@@ -341,7 +336,7 @@ class LLMEngine:
                 drafted.setdefault(req, []).append(result)
             else:
                 plain.append((req, result))
-        outputs = self.postprocess(Batch([s for s in batch.seqs if not s.draft]), plain)
+        outputs = self.out.postprocess(Batch([s for s in batch.seqs if not s.draft]), plain)
         for req, results in drafted.items():
             outputs.append(self._advance_drafted(seq_of[req], results))
         return outputs
@@ -427,7 +422,7 @@ class LLMEngine:
             row = [r for _, r in results[i * q : (i + 1) * q]]
             error = next((r.error for r in row if r.error is not None), None)
             if error is not None:  # its row on the device went on with a wrong token
-                outputs.append(self._fail(req, error))
+                outputs.append(self.out.fail(req, error))
                 continue
             seq = ScheduledSeq(req, req.num_tokens - 1, q)
             *seq.draft, looked = drafts[i]
@@ -437,7 +432,7 @@ class LLMEngine:
             outputs.append(self._advance_drafted(seq, row, looked))
             if not req.finished and req.num_tokens - before != appended:
                 # The device appended what was accepted: the host must have too.
-                outputs.append(self._fail(req, "internal error: the speculative loop's "
+                outputs.append(self.out.fail(req, "internal error: the speculative loop's "
                                           "tokens diverged from the host's"))
         return outputs
 
@@ -451,7 +446,7 @@ class LLMEngine:
         results = [SampleResult(t) for t in seq.draft[: seq.num_forced]] + results
         good = list(itertools.takewhile(lambda r: r.error is None, results))
         if not good:
-            return self._fail(req, results[0].error or "")
+            return self.out.fail(req, results[0].error or "")
         assert self.speculator is not None, "only a speculating engine drafts"
         accepted = self.speculator.accepted(seq, [r.token_id for r in good], looked)
         new, lps = [], []
@@ -463,9 +458,9 @@ class LLMEngine:
                 new.append(token)
                 if r.logprob is not None and not forced:  # none forced with logprobs
                     lps.append(r.logprob)
-                reason = self._check_stop(req, token)
+                reason = self.out.check_stop(req, token)
                 if reason:
-                    self._finish(req, reason)
+                    self.out.finish(req, reason)
                     break
                 # Past the forced drafts (the grammar forces those in a row), a token after
                 # which the grammar forces more ends the run, as jump-forward would: the next
@@ -474,16 +469,16 @@ class LLMEngine:
                     break
         except Exception as e:
             log.exception("request %s failed after sampling", req.request_id)
-            return self._fail(req, f"internal error: {type(e).__name__}: {e}")
+            return self.out.fail(req, f"internal error: {type(e).__name__}: {e}")
         # The KV holds the last known token and each draft equal to the token after it.
         req.num_computed_tokens = seq.start + len(new)
-        return self._output(req, new, lps or None)
+        return self.out.output(req, new, lps or None)
 
     def _forces_next(self, req: Request) -> bool:
         """Whether the request's grammar now forces tokens that jump-forward would append."""
         if req.matcher is None or req.params.logprobs is not None:
             return False
-        return bool(self.grammar.forced_tokens(req, self._tokens_left(req)))
+        return bool(self.grammar.forced_tokens(req, self.out.tokens_left(req)))
 
     def _wait_for_background(self, timeout: float) -> None:
         """Nothing could run: wait for an adapter read, a grammar compile or a KV read from
@@ -505,123 +500,3 @@ class LLMEngine:
             if error is not None:
                 failed.append((req, error))
         return failed
-
-    def postprocess(
-        self,
-        batch: Batch,
-        samples: list[tuple[Request, SampleResult]],
-        jump_forward: bool = True,
-    ) -> list[RequestOutput]:
-        """Append each sampled token and check stops. A request whose row could not be sampled,
-        or whose own postprocessing raises (grammar, detokenizer, output check), fails alone
-        with the reason; the rest of the batch goes on. Rows of requests that ended while the
-        step was in flight (aborted) are dropped. `jump_forward=False` when the next step is
-        already queued: it decodes the sampled token, so no forced tokens may follow it."""
-        sampled = [(r, s) for r, s in samples if not r.finished]
-        self.scheduler.update(batch, {r: s.token_id for r, s in sampled if s.error is None})
-        spec = self.speculator if self.speculator and self.speculator.wants(len(sampled)) else None
-        outputs = []
-        for req, sample in sampled:
-            if sample.error is not None:
-                outputs.append(self._fail(req, sample.error))
-                continue
-            try:  # the tokens a grammar forces go to the next step's draft if it drafts
-                jump = jump_forward and not (spec is not None and spec.drafts(req))
-                outputs.append(self._advance(req, sample, jump))
-            except Exception as e:
-                log.exception("request %s failed after sampling", req.request_id)
-                outputs.append(self._fail(req, f"internal error: {type(e).__name__}: {e}"))
-        return outputs
-
-    def _advance(self, req: Request, sample: SampleResult, jump_forward: bool) -> RequestOutput:
-        new = [sample.token_id]
-        reason = self._check_stop(req, sample.token_id)
-        jump_forward = jump_forward and req.matcher is not None and req.params.logprobs is None
-        if reason is None and jump_forward:
-            reason = self._jump_forward(req, new)  # only a grammar forces tokens
-        if reason:
-            self._finish(req, reason)
-        lp = [sample.logprob] if sample.logprob is not None else None
-        return self._output(req, new, lp)
-
-    def _jump_forward(self, req: Request, new: list[int]) -> str | None:
-        """Append the tokens the grammar forces; the next step prefills them as one chunk."""
-        for token in self.grammar.jump_forward(req, self._tokens_left(req)):
-            req.token_ids.append(token)
-            new.append(token)
-            reason = self._check_stop(req, token, accepted=True)
-            if reason:
-                return reason
-        return None
-
-    def _check_stop(self, req: Request, token: int, accepted: bool = False) -> str | None:
-        p = req.params
-        if not accepted:
-            req.error = GrammarStage.accept(req, token)
-            if req.error:
-                return "error"
-        if (
-            token in p.stop_token_ids
-            or (not p.ignore_eos and token in self.eos_token_ids)
-            or GrammarStage.terminated(req)
-            # As vLLM: a stop string ends the output only once more than min_tokens are out.
-            or req.output_state.add(token, req.num_output_tokens > p.min_tokens) is not None
-        ):
-            req.error = GrammarStage.check(req, req.output_state.text)
-            return "error" if req.error else "stop"
-        if self._tokens_left(req) <= 0:
-            return "length"
-        return None
-
-    def _tokens_left(self, req: Request) -> int:
-        """The length stop: how many more tokens `req` may have before `max_tokens` or the
-        context (`max_model_len`) ends it."""
-        by_max_tokens = req.params.max_tokens - req.num_output_tokens
-        return min(by_max_tokens, self.max_model_len - req.num_tokens)
-
-    def _fail(self, req: Request, why: str) -> RequestOutput:
-        """End `req` with finish_reason "error" (also when it had just finished otherwise).
-        The output is built without the detokenizer, which may be what failed."""
-        req.error = why
-        if req.finished:
-            req.finish_reason = "error"
-        else:
-            self._finish(req, "error")
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[],
-            new_text="",
-            finished=True,
-            finish_reason="error",
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            num_output_tokens=req.num_output_tokens,
-            error=why,
-        )
-
-    def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.finish(req, reason)
-        if req.lora is not None:
-            self.adapters.release(req.lora)
-        self.runner.sampler.release(req.request_id)
-        if self.speculator is not None:
-            self.speculator.release(req.request_id)
-        self._requests.pop(req.request_id, None)
-
-    def _output(self, req: Request, new_ids: list[int], logprobs) -> RequestOutput:
-        r = req.reasoning
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new_ids,
-            new_text=req.output_state.take(final=req.finished),
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            num_output_tokens=req.num_output_tokens,
-            logprobs=logprobs,
-            error=req.error,
-            new_reasoning_text=req.output_state.take_reasoning(req.finished) if r else "",
-            num_reasoning_tokens=r.num_tokens if r else 0,
-            queue_time=None if req.scheduled_at is None else req.scheduled_at - req.added_at,
-        )
