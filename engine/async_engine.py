@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core import LOAD_STAGES, Abort, EngineCore, FailAll, ReleaseSession
-from engine.messages import GenerateRequest, RequestOutput
-from engine.protocols import AdapterRegistry, EngineStats, Sink
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.core import LOAD_STAGES, Command, EngineCore
+from engine.messages import RequestOutput
+from engine.protocols import AdapterRegistry, EngineStats
+from engine.sampling_params import SamplingParams
+from engine.sinks import SinkClient
 from grammar.spec import ConstraintSpec
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 __all__ = ["LOAD_STAGES", "AsyncEngine"]
 
 
-class AsyncEngine:
+class AsyncEngine(SinkClient):
     """An `EngineCore` and the thread that runs it. Request handling sees it as an
     `engine.protocols.EngineClient`; the rest (start, loading, drain, shutdown) is the gateway
     runtime's.
@@ -49,10 +50,10 @@ class AsyncEngine:
         config: EngineConfig,
         engine_factory: Callable[[EngineConfig], Any] | None = None,
     ):
+        super().__init__()
         self.config = config
         self.core = EngineCore(config, self._emit, engine_factory, self._set_stage)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sinks: dict[str, Sink] = {}  # event loop side: who listens for which request
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._done_loading = threading.Event()
@@ -127,42 +128,6 @@ class AsyncEngine:
         has its own lock and workers."""
         await asyncio.wrap_future(self._engine.grammar.compile(spec))
 
-    # -- requests (event loop side) -------------------------------------------------------
-
-    @property
-    def num_outstanding(self) -> int:
-        """Requests added and not yet finished (queued, waiting or running)."""
-        return len(self._sinks)
-
-    def add_request(self, request: GenerateRequest, sink: Sink) -> None:
-        if request.request_id in self._sinks:
-            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
-        self._sinks[request.request_id] = sink
-        self.core.put(request)
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request; its pages are freed before the next engine step."""
-        if self._sinks.pop(request_id, None) is not None:
-            self.core.put(Abort(request_id))
-
-    def release_session(self, session_id: str) -> None:
-        """The session ended: unpin its KV (applied before the next step)."""
-        self.core.put(ReleaseSession(session_id))
-
-    def fail_all(self, why: str) -> None:
-        """Fail every request added and not finished (a drain's deadline passed): each gets a
-        last output with finish_reason "error" and `error=why`. Callable from any thread."""
-        self.core.put(FailAll(why))
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
-                continue  # aborted by the gateway: nobody listens any more
-            if out.finished:
-                del self._sinks[out.request_id]
-            sink.put_nowait(out)
-
     # -- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -176,6 +141,9 @@ class AsyncEngine:
         self._ready.set()
         self._done_loading.set()
         self.core.run()
+
+    def _send(self, command: Command) -> None:
+        self.core.put(command)
 
     def _set_stage(self, stage: str) -> None:
         self.load_stage = stage

@@ -20,18 +20,19 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core import ENGINE_FAILED, Abort, FailAll, ReleaseSession, failed
+from engine.core import ENGINE_FAILED, Command, failed
 from engine.core_link import CoreLink, EngineUnavailable, RemoteAdapterError, RemoteAdapters
 from engine.messages import GenerateRequest, RequestOutput
 from engine.protocols import AdapterRegistry, EngineStats, Sink
-from engine.sampling_params import InvalidRequestError, SamplingParams, check_request
+from engine.sampling_params import SamplingParams, check_request
+from engine.sinks import SinkClient
 from engine.wire import CoreFacts
 from grammar.spec import ConstraintSpec
 
 __all__ = ["EngineProcess", "EngineUnavailable", "RemoteAdapterError", "RemoteAdapters"]
 
 
-class EngineProcess:
+class EngineProcess(SinkClient):
     def __init__(
         self,
         config: EngineConfig,
@@ -40,11 +41,11 @@ class EngineProcess:
         engine_factory: Callable[[EngineConfig], Any] | None = None,
         attach: tuple[str, bytes] | None = None,
     ):
+        super().__init__()
         self.config = config
         self.link = CoreLink(config, self._on_outputs, self._on_death, restarts, restart_window,
                              engine_factory, attach)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sinks: dict[str, Sink] = {}  # event loop side
 
     # -- lifecycle (the runtime's) ------------------------------------------------------------
 
@@ -114,29 +115,16 @@ class EngineProcess:
 
     # -- requests (event loop side) -----------------------------------------------------------
 
-    @property
-    def num_outstanding(self) -> int:
-        return len(self._sinks)
-
     def add_request(self, request: GenerateRequest, sink: Sink) -> None:
-        if request.request_id in self._sinks:
-            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
-        if not self.link.serving:  # died just now: the death's failures went out already
+        if not self.link.serving and request.request_id not in self._sinks:
+            # died just now: the death's failures went out already
             sink.put_nowait(failed(request.request_id, "the engine core is not running",
                                    ENGINE_FAILED))
             return
-        self._sinks[request.request_id] = sink
-        self.link.send(request)
+        super().add_request(request, sink)
 
-    def abort(self, request_id: str) -> None:
-        if self._sinks.pop(request_id, None) is not None:
-            self.link.send(Abort(request_id))
-
-    def release_session(self, session_id: str) -> None:
-        self.link.send(ReleaseSession(session_id))
-
-    def fail_all(self, why: str) -> None:
-        self.link.send(FailAll(why))
+    def _send(self, command: Command) -> None:
+        self.link.send(command)
 
     # -- the link's callbacks (its reader thread) ---------------------------------------------
 
@@ -152,15 +140,6 @@ class EngineProcess:
                 pass
 
     # -- the event loop's side of them --------------------------------------------------------
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
-                continue  # aborted by the gateway: nobody listens any more
-            if out.finished:
-                del self._sinks[out.request_id]
-            sink.put_nowait(out)
 
     def _fail_outstanding(self, why: str) -> None:
         sinks, self._sinks = self._sinks, {}

@@ -176,6 +176,28 @@ def _stream(url: str, key: str, body: dict, first: threading.Event, done: list) 
     done.append((time.monotonic(), events))
 
 
+def _kill_core_under_streams(server, n: int) -> tuple[int, float, list]:  # noqa: ANN001
+    """`n` streams that have each begun; then `kill -9` of the serve process's core. Returns
+    the core's pid, when it was killed, and each stream's (end time, events) once all ended."""
+    body = {"model": server.model, "max_tokens": 200, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a very long story."}]}
+    firsts = [threading.Event() for _ in range(n)]
+    done: list = []
+    threads = [threading.Thread(target=_stream, args=(server.url, server.api_key, body, f,
+                                                       done)) for f in firsts]
+    for t in threads:
+        t.start()
+    for f in firsts:
+        assert f.wait(60)
+    core = _core_pid(server.pid)
+    os.kill(core, signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(30)
+    assert len(done) == n
+    return core, killed, done
+
+
 def test_kill_9_of_the_core_under_16_streams(tmp_path):
     """All 16 streams end with an `engine_failed` error event and [DONE] within 2 s, /ready
     says 503 until the new core has loaded, then the server serves again: a session's next
@@ -193,22 +215,7 @@ def test_kill_9_of_the_core_under_16_streams(tmp_path):
         assert httpx.post(server.url + "/v1/chat/completions", headers=headers, json=turn,
                           timeout=60).status_code == 200
 
-        body = {"model": server.model, "max_tokens": 200, "stream": True, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "Tell me a very long story."}]}
-        firsts = [threading.Event() for _ in range(16)]
-        done: list = []
-        threads = [threading.Thread(target=_stream, args=(server.url, server.api_key, body,
-                                                           f, done)) for f in firsts]
-        for t in threads:
-            t.start()
-        for f in firsts:
-            assert f.wait(60)
-        core = _core_pid(server.pid)
-        os.kill(core, signal.SIGKILL)
-        killed = time.monotonic()
-        for t in threads:
-            t.join(30)
-        assert len(done) == 16
+        core, killed, done = _kill_core_under_streams(server, 16)
         for ended, events in done:
             assert ended - killed < 2.0
             assert events[-1] == "[DONE]"
@@ -304,22 +311,7 @@ def test_two_api_servers_share_the_port_and_the_core(tmp_path, redis_url):  # no
             assert read_metrics(server.url)[
                 'switchboard_adapter_loads_total{tier="host"}'] == loads
 
-            body = {"model": server.model, "max_tokens": 200, "stream": True,
-                    "ignore_eos": True, "messages": [{"role": "user", "content": "A story."}]}
-            firsts = [threading.Event() for _ in range(6)]
-            done: list = []
-            threads = [threading.Thread(target=_stream, args=(server.url, server.api_key, body,
-                                                               f, done)) for f in firsts]
-            for t in threads:
-                t.start()
-            for f in firsts:
-                assert f.wait(60)
-            core = _core_pid(server.pid)
-            os.kill(core, signal.SIGKILL)
-            killed = time.monotonic()
-            for t in threads:
-                t.join(30)
-            assert len(done) == 6
+            _, killed, done = _kill_core_under_streams(server, 6)
             for ended, events in done:
                 assert ended - killed < 2.0
                 assert json.loads(events[-2])["error"]["code"] == "engine_failed"
