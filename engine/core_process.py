@@ -187,13 +187,14 @@ class CoreServer:
         )
 
     def _send_table(self, force: bool = False) -> None:
-        """The adapter registry, when it changed: adapters added or removed, or moved between
-        tiers (loads and evictions count those)."""
+        """The adapter registry, when adapters moved between tiers (loads and evictions count
+        those: a check of a few ints, since every step comes here), or always with `force`
+        (after an add or a remove, and for a new connection)."""
         manager = getattr(self.core.engine, "adapters", None)
         if manager is None:
             return
         st = manager.stats
-        version = (len(manager.snapshot()), *st.loads.values(), *st.evictions.values())
+        version = (*st.loads.values(), *st.evictions.values())
         with self._lock:
             if version == self._table_version and not force:
                 return
