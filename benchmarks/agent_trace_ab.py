@@ -23,7 +23,7 @@ from gpu_common import write_adapter  # noqa: E402
 from gpu_e2e import RANK, Server, agent_trace, queueing  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
-from engine.loader import resolve_model_dir  # noqa: E402
+from engine.runner.loader import resolve_model_dir  # noqa: E402
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from gpu_common import (
 )
 
 from engine import LLM
-from engine.speculative import Speculator
+from engine.spec.speculative import Speculator
 from kernels.seg_lora import segment_table
 from lora.batch import LoraBatchInfo, graph_kernel
 from lora.slots import FUSED, LoraSlots

@@ -26,7 +26,7 @@ import torch
 from gpu_common import Recorder, first_token, greedy, random_prompts
 
 from engine import LLM
-from engine.kv_host import HostKVPool
+from engine.kv.host import HostKVPool
 
 
 def pinned_bandwidth(gib: float = 1.0, reps: int = 10) -> tuple[float, float]:

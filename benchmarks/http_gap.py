@@ -15,7 +15,7 @@ event loop and request threads share the GIL with the engine thread.
         --scale 1 --clients 128 [--piecewise both]   # the suite's http workload, on a GPU
 
 `--piecewise both` runs every round with and without the piecewise graphs of steps that
-prefill (engine/piecewise_graphs.py): offline on one engine, through one server each way.
+prefill (engine/runner/piecewise_graphs.py): offline on one engine, through one server each way.
 """
 
 from __future__ import annotations

@@ -322,9 +322,9 @@ def _seg_apply(y, x, stack, scales, indptr, seg_slots, configs) -> None:
 def step_profile(copy_bw: float, unfused: bool) -> dict:
     """Decode steps of a 4-layer Llama-3-8B-shaped model with CUDA graphs, ctx 1024."""
     from engine.config import ModelConfig
-    from engine.model_runner import ModelRunner
-    from engine.models.llama import LlamaForCausalLM
-    from engine.step_inputs import StepInputs
+    from engine.runner.model_runner import ModelRunner
+    from engine.runner.models.llama import LlamaForCausalLM
+    from engine.runner.step_inputs import StepInputs
     from lora.layers import wrap_model
     from lora.slots import LoraSlots
 

@@ -1,4 +1,5 @@
-"""Piecewise CUDA graphs on and off (engine/piecewise_graphs.py), offline, same engine, same run:
+"""Piecewise CUDA graphs on and off (engine/runner/piecewise_graphs.py), offline, same engine, same
+run:
 the mixed workload of the GPU suite (256 requests, prompts 64-1024 tokens, outputs 64-256, all
 submitted at once, greedy), base-only and with 8 rank-16 adapters on every other request.
 Rounds alternate on and off after one warm-up of each (it compiles the kernels).

@@ -1,5 +1,6 @@
 """The sampler alone: milliseconds per call (launch + collect) for the device sampler
-(engine/sampler.py) against the host-noise sampler it replaced (kept below as the baseline), in
+(engine/sampling/sampler.py) against the host-noise sampler it replaced (kept below as the
+baseline), in
 one process, at batch 64 for Llama-3's vocabulary (128256) and SmolLM2's (49152).
 
 Each call gets fresh logits (random, fp32) and its requests' tokens grow by the drawn one, as in
@@ -19,9 +20,9 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.machine import describe
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import Sampler
 
 BATCH = 64
 VOCABS = {"Llama-3": 128256, "SmolLM2": 49152}
@@ -93,7 +94,7 @@ def main() -> None:
             f.write("\n".join(lines) + "\n")
 
 
-# -- BASELINE: engine/sampler.py before the device sampler (commit e925171), kept verbatim
+# -- BASELINE: engine/sampling/sampler.py before the device sampler (commit e925171), kept verbatim
 # -- except that it returns the token ids and leaves out logprobs (no workload asks for them).
 # -- Host noise: a Python loop per sampled row draws Exp(1) over the whole vocabulary on the
 # -- CPU and uploads it; top-k / top-p sort the whole vocabulary; penalties loop per row.

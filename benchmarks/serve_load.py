@@ -281,7 +281,7 @@ def main() -> None:
             proc, url = start_server(args.threads, args.serve_flags)
         try:
             from engine.config import default_cache_dir
-            from engine.loader import resolve_model_dir
+            from engine.runner.loader import resolve_model_dir
 
             base = resolve_model_dir(None, default_cache_dir())
             auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

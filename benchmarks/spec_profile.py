@@ -22,7 +22,7 @@ import torch
 from gpu_common import greedy, random_prompts
 
 from engine import LLM
-from engine.speculative import Speculator
+from engine.spec.speculative import Speculator
 
 
 def run(llm: LLM, prompts, kind: str, steps: int, profile: bool) -> dict:

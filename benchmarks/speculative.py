@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import LLM, SamplingParams
-from engine.speculative import Speculator
-from gateway.tools import FALLBACK_SYSTEM
+from engine.spec.speculative import Speculator
+from gateway.openai.tools import FALLBACK_SYSTEM
 from grammar.spec import parse_constraint
 from grammar.tools import parse_tools, tool_constraint
 

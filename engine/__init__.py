@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling.params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from engine.llm import LLM

@@ -20,7 +20,7 @@ from pydantic_core import PydanticUndefined
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=None` loads
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-ReasoningParser = Literal["auto", "none", "qwen3", "deepseek_r1"]  # engine/reasoning.py
+ReasoningParser = Literal["auto", "none", "qwen3", "deepseek_r1"]  # engine/core/reasoning.py
 DTYPE_BYTES: dict[Dtype, int] = {"float32": 4, "bfloat16": 2, "float16": 2}  # KV pool sizing
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.messages import TokenLogprob
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling.params import InvalidRequestError, SamplingParams
 
 DEFAULT_TENANT = "default"  # the offline API's adapters belong to this tenant
 

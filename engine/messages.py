@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 @dataclass
@@ -48,7 +48,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_code: str | None = None  # "engine_failed": the engine stopped, not this request
-    # A reasoning model's (engine/reasoning.py): the reasoning text's delta (not in new_text)
+    # A reasoning model's (engine/core/reasoning.py): the reasoning text's delta (not in new_text)
     # and the output tokens its reasoning took so far, markers included.
     new_reasoning_text: str = ""
     num_reasoning_tokens: int = 0

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from engine.kv.prefix_cache import PrefixCacheStats
 from engine.messages import GenerateRequest, RequestOutput
-from engine.prefix_cache import PrefixCacheStats
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from grammar.spec import ConstraintSpec
 from lora.info import AdapterExists, AdapterInfo, AdapterStats
 
@@ -88,10 +88,10 @@ class EngineStats:
     kv_pages_total: int = 0
     jump_forward_tokens: int = 0
     num_preemptions: int = 0  # requests whose KV was dropped to make room (recomputed)
-    # Per kind of step (engine/engine.py `STEP_KINDS`): how many ran and their wall seconds.
+    # Per kind of step (engine/core/engine.py `STEP_KINDS`): how many ran and their wall seconds.
     step_times: dict[str, tuple[int, float]] = field(default_factory=dict)
     prefix: PrefixCacheStats = PrefixCacheStats()
-    # Speculative decoding (engine/speculative.py): draft tokens verified and accepted,
+    # Speculative decoding (engine/spec/speculative.py): draft tokens verified and accepted,
     # sequence-steps that carried drafts, and the tokens those produced.
     spec_drafted: int = 0
     spec_accepted: int = 0

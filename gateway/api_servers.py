@@ -62,8 +62,8 @@ class APIServers:
 def api_server_main(cfg: ServeConfig, port: int, address: str, authkey: bytes, parent: int,
                     ready: Any) -> None:
     """One more HTTP server (the process's entry point, multiprocessing "spawn")."""
-    from engine.core_client import EngineProcess
-    from engine.parent_watch import watch_parent
+    from engine.ipc.core_client import EngineProcess
+    from engine.ipc.parent_watch import watch_parent
     from gateway.app import create_app
     from gateway.server import ServerThread
 

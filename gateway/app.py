@@ -1,8 +1,8 @@
 """The FastAPI app: OpenAI routes, health, readiness and metrics.
 
 One request, end to end: auth (tenant) -> body (size, JSON, schema) -> model -> counts
-(gateway/bounds.py) -> admission (queue bound, tenant limits) -> session -> plan, in a worker
-thread (gateway/params.py: bounds, the constraint parsed once, template, prompt ids +
+(gateway/access/bounds.py) -> admission (queue bound, tenant limits) -> session -> plan, in a worker
+thread (gateway/openai/params.py: bounds, the constraint parsed once, template, prompt ids +
 SamplingParams per choice, validated by the engine) -> grammar compile -> engine -> JSON body or
 SSE stream. Nothing that grows with the request runs on the event loop, and none of it before
 the tenant is admitted.
@@ -19,29 +19,29 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_engine import AsyncEngine
-from engine.core_client import EngineProcess
-from gateway.adapters import adapter_model_card, adapter_routes, ensure_adapter, model_cards
+from engine.ipc.async_engine import AsyncEngine
+from engine.ipc.core_client import EngineProcess
+from gateway.access.bounds import check_counts
+from gateway.access.connections import connection_drop
+from gateway.adapters.routes import adapter_model_card, adapter_routes, ensure_adapter, model_cards
 from gateway.body import read_body
-from gateway.bounds import check_counts
 from gateway.config import ServeConfig
-from gateway.connections import connection_drop
-from gateway.conversations import AddItems, CreateConversation, conversation_routes
 from gateway.errors import bad_request, generation_failed, install_error_handlers
-from gateway.generation import Generation
 from gateway.metrics import RequestCounter
+from gateway.openai.bodies import ChatFormat, CompletionFormat
+from gateway.openai.generation import Generation
+from gateway.openai.params import EngineFacts, Plan, plan_chat, plan_completion, resolve_adapter
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai.sse import SSEResponse, stream_events
+from gateway.openai.tokenizer import GatewayTokenizer
 from gateway.openapi import document_bodies
-from gateway.params import EngineFacts, Plan, plan_chat, plan_completion, resolve_adapter
-from gateway.response_chain import Stores
-from gateway.response_items import ResponsesRequest
-from gateway.responses import ChatFormat, CompletionFormat
-from gateway.responses_api import response_routes
+from gateway.responses.chain import Stores
+from gateway.responses.conversations import AddItems, CreateConversation, conversation_routes
+from gateway.responses.items import ResponsesRequest
+from gateway.responses.routes import response_routes
 from gateway.runtime import Runtime
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.session_routes import add_session_routes
-from gateway.sessions import CreateSession, ForkSession, SessionTurn, resolve_session
-from gateway.sse import SSEResponse, stream_events
-from gateway.tokenizer import GatewayTokenizer
+from gateway.sessions.routes import add_session_routes
+from gateway.sessions.turns import CreateSession, ForkSession, SessionTurn, resolve_session
 from grammar.spec import ConstraintSpec, GrammarError
 
 
@@ -189,7 +189,7 @@ def _plan(
     facts: EngineFacts,
     adapter: str | None,
 ) -> Plan:
-    """The request's plan; in a worker thread (gateway/params.py checks the bounds)."""
+    """The request's plan; in a worker thread (gateway/openai/params.py checks the bounds)."""
     if isinstance(body, CompletionRequest):
         return plan_completion(body, tok, facts, adapter)
     return plan_chat(turn.prompt_body(body) if turn else body, tok, facts, adapter)

@@ -4,7 +4,7 @@ Every JSON route reads its body here rather than through FastAPI's parameter, so
 one behaviour: 413 beyond the cap, without reading further; 400 for non-JSON (saying what is
 wrong: too deeply nested, strings that are not Unicode such as lone surrogates, which nothing
 downstream could encode, ...) and for schema violations, in OpenAI's error shape. The counts
-of gateway/bounds.py are checked on the parsed JSON, before validation (which costs ten times
+of gateway/access/bounds.py are checked on the parsed JSON, before validation (which costs ten times
 the parse: 0.6 s for 10^5 messages, holding the GIL); a large body is read in a worker thread.
 """
 
@@ -17,7 +17,7 @@ import pydantic_core
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from gateway.bounds import check_counts
+from gateway.access.bounds import check_counts
 from gateway.errors import bad_request, from_pydantic, invalid_json, too_large
 
 Body = TypeVar("Body", bound=BaseModel)

@@ -1,6 +1,6 @@
 """This replica's part in a scale-out deployment (`--redis-url`): the API keys, rate limits
 and adapter registry it shares with the other replicas, and the heartbeat that registers it
-with routers (gateway/registry.py). Sessions are shared through gateway/session_store.py; the
+with routers (gateway/registry.py). Sessions are shared through gateway/sessions/store.py; the
 keys and the clients are gateway/redis_store.py's.
 
 The heartbeat runs from start-up, so the record exists while the process lives (the shared
@@ -19,13 +19,13 @@ from pathlib import Path
 
 from engine.protocols import EngineClient
 from gateway import redis_store, registry
-from gateway.adapter_store import SharedAdapterStore
-from gateway.auth import Authenticator, SharedKeys
+from gateway.access.auth import Authenticator, SharedKeys
+from gateway.access.limits import SharedLimiter
+from gateway.access.quota import RedisLedger
+from gateway.adapters.shared import SharedAdapters
+from gateway.adapters.store import SharedAdapterStore
 from gateway.config import ServeConfig
-from gateway.limits import SharedLimiter
-from gateway.session_store import RedisStore
-from gateway.shared_adapters import SharedAdapters
-from gateway.storage_quota import RedisLedger
+from gateway.sessions.store import RedisStore
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ a name or an object with per-tenant limits:
 `max_adapter_storage_bytes` bound the LoRA adapters a tenant stores (default: the serve flags
 `--max-adapters-per-tenant`, `--max-adapter-storage-per-tenant`); `max_sessions` and
 `max_storage_bytes` bound what else it stores: sessions, conversations and stored responses
-(default: `--max-sessions-per-tenant`, `--max-storage-per-tenant`; gateway/storage_quota.py).
+(default: `--max-sessions-per-tenant`, `--max-storage-per-tenant`; gateway/access/quota.py).
 
 Without it, auth is off and every request belongs to the tenant "default". In the TOML file,
 `api_keys` is that file's path (relative to the TOML file), and `[tenants.NAME]` tables or
@@ -33,8 +33,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import EMBEDDED_MODEL_NAME, EngineConfig, setting
-from gateway.connections import ConnectionLimits
-from gateway.storage_quota import StorageQuota
+from gateway.access.connections import ConnectionLimits
+from gateway.access.quota import StorageQuota
 from lora.quota import AdapterQuota
 
 DEFAULT_TENANT = "default"
@@ -90,7 +90,7 @@ class ServeConfig(EngineConfig):
     drain_timeout: float = setting(
         30.0, ge=0, metavar="SECONDS", help="on SIGTERM, how long running requests may finish")
 
-    # The engine core (engine/core_process.py, engine/core_client.py).
+    # The engine core (engine/ipc/core_process.py, engine/ipc/core_client.py).
     engine_core: Literal["process", "thread"] = setting(
         "process", help="where the engine core runs: its own process (the HTTP server holds no "
         "model and shares no GIL with the step loop) or a thread of the server's")
@@ -102,7 +102,7 @@ class ServeConfig(EngineConfig):
         "process, so JSON, SSE and tokenization use more cores (more than one needs "
         "--redis-url: the processes share sessions, stored responses and limits there)")
 
-    # Connections and slow clients (gateway/connections.py).
+    # Connections and slow clients (gateway/access/connections.py).
     header_timeout: float = setting(
         ConnectionLimits.header_timeout, gt=0, metavar="SECONDS", help="a connection that has "
         "not sent a request's headers this long after it opened (or after the request's first "
@@ -134,7 +134,7 @@ class ServeConfig(EngineConfig):
         8 * 2**30, ge=0, metavar="BYTES", help="bytes of adapter files a tenant may store "
         "(max_adapter_storage_bytes in the keys file overrides it per tenant)")
 
-    # What tenants store: sessions, conversations, stored responses (gateway/storage_quota.py).
+    # What tenants store: sessions, conversations, stored responses (gateway/access/quota.py).
     max_sessions_per_tenant: int = setting(
         10_000, ge=0, help="sessions a tenant may keep, forks, conversations and the sessions "
         "of stored responses included (max_sessions in the keys file overrides it)")
@@ -148,7 +148,7 @@ class ServeConfig(EngineConfig):
         7 * 24 * 3600, ge=1, le=MAX_TTL_S, metavar="SECONDS", help="how long a session "
         "created without ttl_seconds is kept after its last turn")
 
-    # The Responses API (gateway/responses_api.py).
+    # The Responses API (gateway/responses/routes.py).
     response_ttl: int = setting(
         30 * 24 * 3600, ge=1, le=MAX_TTL_S, metavar="SECONDS", help="how long a stored response or "
         "conversation (and the history it continues) is kept")

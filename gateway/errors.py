@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.core_client import EngineUnavailable
+from engine.ipc.core_client import EngineUnavailable
+from gateway.access.quota import QuotaExceeded
 from gateway.redis_store import StoreUnavailable
-from gateway.storage_quota import QuotaExceeded
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import sys
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
-    from engine.sampling_params import InvalidRequestError
+    from engine.sampling.params import InvalidRequestError
 
     llm = LLM(model=args.model)
     try:
@@ -40,7 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _grammar_bench(args: argparse.Namespace) -> int:
     from engine.config import default_cache_dir
-    from engine.loader import resolve_model_dir
+    from engine.runner.loader import resolve_model_dir
     from grammar import bench
 
     if args.tokenizer is None:

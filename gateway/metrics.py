@@ -22,9 +22,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.prefix_cache import PrefixCacheStats
+from engine.kv.prefix_cache import PrefixCacheStats
 from engine.protocols import EngineStats
-from gateway.connections import REASONS, Connections
+from gateway.access.connections import REASONS, Connections
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -100,7 +100,7 @@ class Metrics:
 
 
 class _ConnectionCollector:
-    """The HTTP connections (gateway/connections.py): open, the cap, and those we closed."""
+    """The HTTP connections (gateway/access/connections.py): open, the cap, and those we closed."""
 
     def __init__(self, connections: Connections):
         self.connections = connections

@@ -6,25 +6,25 @@ Keys (all under `switchboard:`):
     replica:{id}                      hash: a replica's `ReplicaInfo`, TTL (gateway/registry.py)
     replicas                          set of replica ids: the index routers scan
     auth:keys / auth:tenants / auth:admins
-                                      the shared API-key table (gateway/auth.py)
+                                      the shared API-key table (gateway/access/auth.py)
     limit:{tenant}:bucket / :inflight tokens-per-minute bucket and requests in flight per
-                                      replica (gateway/limits.py)
-    adapters:{tenant}                 hash name -> adapter entry (gateway/adapter_store.py)
+                                      replica (gateway/access/limits.py)
+    adapters:{tenant}                 hash name -> adapter entry (gateway/adapters/store.py)
     adapter-files:{tenant}:{name}:{version}
                                       hash file name -> bytes
     session:{id} / session:{id}:messages
-                                      a session's metadata and history (gateway/session_store.py)
+                                      a session's metadata and history (gateway/sessions/store.py)
     affinity:{session_id}             the replica holding a session's KV (gateway/router/app.py);
                                       also keyed by a response or conversation id
     response:{id} / responses:{tenant}
                                       a stored response (JSON, TTL) and the tenant's index of
-                                      them, oldest first (gateway/response_store.py)
+                                      them, oldest first (gateway/responses/store.py)
     conversation:{id} / conversations:{tenant}
                                       a conversation's record and the tenant's index
     response-session:{id} / response-sessions:{tenant}
                                       the sessions made for responses, least recently used first
     usage:{tenant}:sizes / :expiries / :totals
-                                      the tenant's storage ledger (gateway/storage_quota.py)
+                                      the tenant's storage ledger (gateway/access/quota.py)
 
 A replica holds one `Clients`: `text` for everything but adapter files, `files` for those.
 Neither retries a command: a write whose reply was lost may have been applied, and a retried

@@ -11,19 +11,19 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from engine.async_engine import LOAD_STAGES, AsyncEngine
-from engine.core_client import EngineProcess
-from gateway.auth import Authenticator
+from engine.ipc.async_engine import LOAD_STAGES, AsyncEngine
+from engine.ipc.core_client import EngineProcess
+from gateway.access.auth import Authenticator
+from gateway.access.connections import Connections
+from gateway.access.limits import Seats, SharedLimiter, TenantLimiter
+from gateway.access.quota import Ledger, MemoryLedger, StorageQuota
+from gateway.adapters.shared import SharedAdapters
 from gateway.config import ServeConfig
-from gateway.connections import Connections
 from gateway.errors import APIError, engine_failed, not_ready
-from gateway.limits import Seats, SharedLimiter, TenantLimiter
 from gateway.metrics import Metrics
-from gateway.params import EngineFacts
-from gateway.session_store import MemoryStore, SessionStore
-from gateway.shared_adapters import SharedAdapters
-from gateway.storage_quota import Ledger, MemoryLedger, StorageQuota
-from gateway.tokenizer import GatewayTokenizer
+from gateway.openai.params import EngineFacts
+from gateway.openai.tokenizer import GatewayTokenizer
+from gateway.sessions.store import MemoryStore, SessionStore
 from grammar.spec import ConstraintSpec
 
 if TYPE_CHECKING:

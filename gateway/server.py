@@ -1,6 +1,6 @@
 """Uvicorn in a background thread, so the caller's thread stays free (the CLI draws the
 loading progress there; tests drive the server from theirs), on uvloop and httptools, with
-every connection under gateway/connections.py's rules (`GuardedProtocol`)."""
+every connection under gateway/access/connections.py's rules (`GuardedProtocol`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.connections import EXTENSION, ConnectionLimits, Connections, Phase
+from gateway.access.connections import EXTENSION, ConnectionLimits, Connections, Phase
 
 BACKLOG = 1024  # the kernel's accept queue (capped by net.core.somaxconn): bursts wait there
 

@@ -103,7 +103,8 @@ def parse_constraint(
     structured_outputs: dict[str, object] | None = None,
 ) -> ConstraintSpec | None:
     """Parse a request's constraint fields; None when the request is unconstrained. The one
-    reader of these fields: the gateway's planner calls it once per request (gateway/params.py)
+    reader of these fields: the gateway's planner calls it once per request
+    (gateway/openai/params.py)
     and `SamplingParams` once per construction (the offline API); the engine gets the spec.
 
     Raises GrammarError when a field is malformed or both fields carry a constraint.

@@ -1,4 +1,4 @@
-"""The overlapped speculative loop's per-step bookkeeping on the device (engine/spec_loop.py),
+"""The overlapped speculative loop's per-step bookkeeping on the device (engine/spec/loop.py),
 one kernel each: prompt lookup over every sequence's window, the verify step's inputs, and the
 acceptance of the drawn tokens. Triton on CUDA, the torch references elsewhere; each reference
 is a few dozen small torch kernels, which on a GPU cost a verify step more time launching and
@@ -22,7 +22,7 @@ LOOKUP_BLOCK = 1024  # candidate match ends a lookup program compares at once
 
 def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, k: int, min_ngram: int,
                   max_ngram: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`engine.speculative.PromptLookup.propose` for every row at once: (S, k) drafts and (S,)
+    """`engine.spec.speculative.PromptLookup.propose` for every row at once: (S, k) drafts and (S,)
     how many of them lead that `propose` gives. Triton on CUDA, the torch reference elsewhere."""
     fn = prompt_lookup_triton if tokens.is_cuda else prompt_lookup_torch
     return fn(tokens, lengths, k, min_ngram, max_ngram, window)

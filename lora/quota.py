@@ -2,7 +2,7 @@
 
 The gateway checks an upload against its tenant's quota before writing anything, while it holds
 that tenant's upload lock; with a shared registry the Redis script that registers the upload
-checks again, atomically across replicas (gateway/adapter_store.py). No torch here.
+checks again, atomically across replicas (gateway/adapters/store.py). No torch here.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ class LoraSlots:
         shard: Shard | None = None,
     ) -> None:
         """Under tensor parallelism `base` is this rank's shapes, and `shard(projection, a, b)`
-        cuts a whole adapter's LoRA to this rank's (`engine.partition.Partition.cut_lora`)."""
+        cuts a whole adapter's LoRA to this rank's
+        (`engine.parallel.partition.Partition.cut_lora`)."""
         self.num_slots, self.max_rank, self.shard = num_slots, max_rank, shard
         dims = projection_dims(base)
 

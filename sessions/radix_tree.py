@@ -17,7 +17,7 @@ tree (pages stored in a node). Pages move between parties only through these cal
 A node may be evicted only while neither it nor any descendant is locked or pinned (counts
 propagate from a node to the root), and only as a leaf: the least recently used first.
 
-Tiers. With a host tier (engine/kv_host.py) a node's KV lives in device pages (`pages`), in
+Tiers. With a host tier (engine/kv/host.py) a node's KV lives in device pages (`pages`), in
 pages of a second, host-memory pool (`host_pages`), or in both (a host copy of device KV,
 written through for sessions or left behind by a load). Host pages change hands the same way:
 `evict`'s `offload` hook hands them in, `evict_host`, `evict` and `reset` give them back.

@@ -57,7 +57,7 @@ def smollm2_dir() -> Path:
     offline GPU machine does not install it (`make gpu-install`): its tests skip there; here,
     where `make test` installs it, a missing model is an error."""
     from engine.config import ModelLoadError, default_cache_dir
-    from engine.loader import embedded_gguf_path, resolve_model_dir
+    from engine.runner.loader import embedded_gguf_path, resolve_model_dir
 
     if torch.cuda.is_available():
         try:

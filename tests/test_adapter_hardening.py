@@ -21,11 +21,11 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.page_allocator import PageAllocator
-from engine.request import Request
-from engine.scheduler import Scheduler
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.kv.page_allocator import PageAllocator
 from gateway import redis_store
-from gateway.adapter_store import SharedAdapterStore, new_version
+from gateway.adapters.store import SharedAdapterStore, new_version
 from lora.adapter import AdapterError, load_adapter
 from lora.manager import AdapterManager
 from lora.quota import AdapterQuota, QuotaExceeded

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.ipc.async_engine import AsyncEngine
 from engine.messages import GenerateRequest, RequestOutput
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling.params import InvalidRequestError, SamplingParams
 
 POISON_ADD, POISON_STEP, INVALID = 13, 17, 19  # max_tokens values that make the fake fail
 
@@ -241,7 +241,7 @@ def test_a_grammar_compiler_that_cannot_start_does_not_stop_the_load(tmp_path, m
     """Building the compiler at load is an optimization: when it fails (a tokenizer without
     EOS, say; here the build raises), the engine loads anyway and the failure waits for a
     constrained request."""
-    from engine.structured import GrammarStage
+    from engine.sampling.structured import GrammarStage
 
     monkeypatch.setattr(GrammarStage, "compiler", property(lambda self: 1 / 0))
     _load_tiny(tmp_path, lambda engine: None)

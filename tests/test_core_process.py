@@ -1,4 +1,5 @@
-"""The engine core in its own process (engine/core_process.py, engine/core_client.py): outputs
+"""The engine core in its own process (engine/ipc/core_process.py, engine/ipc/core_client.py):
+outputs
 reach their sinks over the socket, a core killed mid-stream fails every request in flight with
 `engine_failed` within 2 s and is replaced, restarts are bounded, and nothing is orphaned.
 
@@ -18,9 +19,9 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.core_client import EngineProcess, EngineUnavailable
+from engine.ipc.core_client import EngineProcess, EngineUnavailable
 from engine.messages import GenerateRequest, RequestOutput
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling.params import InvalidRequestError, SamplingParams
 from tests.conftest import read_metrics
 from tests.test_async_engine import FakeEngine
 from tests.test_lora_http import make_adapter

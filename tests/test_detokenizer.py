@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import Decoder, IncrementalDetokenizer
+from engine.core.detokenizer import Decoder, IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

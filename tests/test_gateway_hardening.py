@@ -17,16 +17,16 @@ import pytest
 from openai import OpenAI
 from test_sessions import redis_server, redis_url  # noqa: F401 - module-scoped fixtures
 
+from gateway.access.auth import Authenticator, SharedKeys
+from gateway.access.bounds import MAX_MESSAGES, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, MAX_TOOLS
+from gateway.access.limits import Seats
 from gateway.app import create_app
-from gateway.auth import Authenticator, SharedKeys
-from gateway.bounds import MAX_MESSAGES, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, MAX_TOOLS
 from gateway.cli import add_serve_parser, config_from_args
 from gateway.config import ConfigError, ServeConfig, build_config
 from gateway.errors import APIError
-from gateway.limits import Seats
-from gateway.params import EngineFacts, plan_completion
-from gateway.schemas import CompletionRequest
-from gateway.tokenizer import GatewayTokenizer
+from gateway.openai.params import EngineFacts, plan_completion
+from gateway.openai.schemas import CompletionRequest
+from gateway.openai.tokenizer import GatewayTokenizer
 from tests.conftest import GatewayServer
 
 ALPHA, BETA, OPS = "sk-test-alpha", "sk-test-beta", "sk-test-ops"  # ops: an admin key

@@ -13,15 +13,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from gateway.auth import Authenticator
+from engine.sampling.params import InvalidRequestError, SamplingParams
+from gateway.access.auth import Authenticator
+from gateway.access.limits import TenantLimiter, check_capacity
 from gateway.config import ConfigError, TenantLimits, build_config
 from gateway.errors import APIError, from_validation
-from gateway.limits import TenantLimiter, check_capacity
-from gateway.params import EngineFacts, plan_chat, plan_completion, resolve_constraint
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.tokenizer import GatewayTokenizer
-from gateway.tools import resolve_tools
+from gateway.openai.params import EngineFacts, plan_chat, plan_completion, resolve_constraint
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai.tokenizer import GatewayTokenizer
+from gateway.openai.tools import resolve_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -255,7 +255,7 @@ def test_resolve_constraint_refuses_bad_specs() -> None:
 
 
 def test_gateway_modules_do_not_import_torch() -> None:
-    code = ("import sys, gateway.app, gateway.cli, gateway.server, engine.async_engine; "
+    code = ("import sys, gateway.app, gateway.cli, gateway.server, engine.ipc.async_engine; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 

@@ -188,7 +188,7 @@ def test_verify_graphs_match_cpu(tiny):
     them, two adapters and the base model) replay the verify graphs; the tokens equal the CPU
     path's."""
     from engine import SamplingParams
-    from engine.speculative import Speculator
+    from engine.spec.speculative import Speculator
 
     base, adapters = tiny
     requests = [None, "all8", None, "qv4", "all8"]
@@ -210,13 +210,13 @@ def test_verify_graphs_match_cpu(tiny):
 
 
 def test_speculative_loop_matches_cpu(tiny):
-    """The overlapped speculative loop (engine/spec_loop.py) on CUDA: drafts looked up on the
+    """The overlapped speculative loop (engine/spec/loop.py) on CUDA: drafts looked up on the
     device, its steps replaying the verify graphs over inputs built on the device
     (`VerifyGraphs.run_fed`), two adapters and the base model, sequences leaving as they end.
     Every step verifies (min_acceptance 0). The tokens equal the CPU engine's loop, which runs
     the same steps eagerly, and plain decoding's."""
     from engine import SamplingParams
-    from engine.speculative import Speculator
+    from engine.spec.speculative import Speculator
 
     base, adapters = tiny
     requests = [None, "all8", None, "qv4", "all8"]

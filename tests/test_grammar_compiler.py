@@ -32,7 +32,7 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     from engine.config import default_cache_dir
-    from engine.loader import resolve_model_dir
+    from engine.runner.loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(None, default_cache_dir()))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.structured import GrammarStage
+from engine.sampling.structured import GrammarStage
 from grammar.backend import BackendError, Matcher
 from grammar.backends import make_backend
 from grammar.compiler import GrammarCompiler
@@ -49,7 +49,7 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     from engine.config import default_cache_dir
-    from engine.loader import resolve_model_dir
+    from engine.runner.loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(None, default_cache_dir()))
 

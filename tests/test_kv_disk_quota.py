@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from engine.kv_disk import DiskKV
+from engine.kv.disk import DiskKV
 
 SHAPE = (2, 2, 4, 1, 8)  # (num_layers, 2, page_size, kv_heads, head_dim)
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 from engine import LLM
-from engine.kv_disk import DiskKV
+from engine.kv.disk import DiskKV
 from tests.test_kv_tiers import DEVICE_PAGES, _session_turns, check_owners, prompts  # noqa: F401
 from tests.test_prefix_cache_model import run
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.kv_host import HostKVPool, _paired_runs, _runs
+from engine.kv.host import HostKVPool, _paired_runs, _runs
 from tests.test_prefix_cache_model import run
 
 DEVICE_PAGES = 64  # 1,024 tokens at 16 a page: three of the prompts below do not fit together
@@ -313,7 +313,7 @@ def test_corrupt_or_foreign_page_files_are_refused(smollm2_dir, prompts, tmp_pat
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_disk_round_trip_is_exact(device, tmp_path):
     """Device pages -> snapshot -> page files -> host pages -> device pages: the same bits."""
-    from engine.kv_disk import DiskKV
+    from engine.kv.disk import DiskKV
 
     torch.manual_seed(1)
     ps, layers, pages = 4, 3, 40
@@ -345,7 +345,7 @@ def test_disk_tier_keeps_to_its_size_least_recently_used_first(tmp_path):
     tier counts what the folder holds."""
     import os
 
-    from engine.kv_disk import DiskKV
+    from engine.kv.disk import DiskKV
 
     shape = (2, 2, 4, 1, 8)
     disk = DiskKV(tmp_path, "a" * 64, shape, torch.float32)

@@ -3,10 +3,10 @@ resident waits and never blocks the requests behind it; a slot is pinned while u
 
 from __future__ import annotations
 
-from engine.page_allocator import PageAllocator
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.kv.page_allocator import PageAllocator
+from engine.sampling.params import SamplingParams
 
 
 class Adapters:

@@ -235,10 +235,10 @@ def test_manager_pins_slots_and_loads_in_background(tiny):
 
 
 def test_speculative_loop_with_adapters(tiny):
-    """The overlapped speculative loop (engine/spec_loop.py) verifies the drafts of base and
+    """The overlapped speculative loop (engine/spec/loop.py) verifies the drafts of base and
     adapter rows in one forward, each sequence a segment of 1 + k tokens: the greedy tokens of
     plain decoding. Every step verifies (min_acceptance 0), whatever the lookup found."""
-    from engine.speculative import Speculator
+    from engine.spec.speculative import Speculator
 
     base, paths, _ = tiny
     llm = LLM(model=str(base), max_loras=4, max_lora_rank=16, num_pages=128, page_size=4)

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from engine.detokenizer import Decoder
+from engine.core.detokenizer import Decoder
 from grammar.tool_parser import MISTRAL, marker_tokens, parse_tool_output, template_call_format
 from grammar.vocab import TokenVocab
 from tests.conftest import GatewayServer, serve

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.step_inputs import StepInputs
+from engine.core.request import Request
+from engine.core.scheduler import ScheduledSeq
+from engine.runner.loader import load_model
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_inputs import StepInputs
+from engine.sampling.params import SamplingParams
 from tests.tiny_models import save_tiny
 
 TOL = 1e-4

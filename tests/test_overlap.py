@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 class Launches(list):

@@ -17,11 +17,11 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from gateway.bounds import MAX_STOP_TOKEN_IDS, check_counts
+from engine.sampling.params import InvalidRequestError, SamplingParams
+from gateway.access.bounds import MAX_STOP_TOKEN_IDS, check_counts
 from gateway.errors import MAX_MESSAGE_CHARS, MAX_PROBLEMS, APIError, bad_request, from_pydantic
-from gateway.response_items import ResponsesRequest
-from gateway.schemas import ChatCompletionRequest
+from gateway.openai.schemas import ChatCompletionRequest
+from gateway.responses.items import ResponsesRequest
 from tests.conftest import GatewayServer
 
 INF, NAN = math.inf, math.nan

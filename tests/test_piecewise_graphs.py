@@ -1,4 +1,5 @@
-"""The piecewise forward (engine/piecewise_graphs.py) computes the model's forward: its pieces,
+"""The piecewise forward (engine/runner/piecewise_graphs.py) computes the model's forward: its
+pieces,
 run without capture on the CPU, over padded static buffers with each layer's attention between
 them (and LoRA rows through the static segment table), give the eager engine's logits and
 tokens step for step (CUDA replays them: tests/test_gpu_engine.py)."""
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
+from engine.runner.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from tests.tiny_models import save_peft_adapter, save_tiny, save_word_tokenizer
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.page_allocator import PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.kv.page_allocator import PageAllocator
+from engine.kv.prefix_cache import PrefixCache
+from engine.sampling.params import SamplingParams
 
 PS = 4
 

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv_tiers import CopyStats
-from engine.page_allocator import OutOfPagesError, PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.request import Request, Status
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.request import Request, Status
+from engine.core.scheduler import Scheduler
+from engine.kv.page_allocator import OutOfPagesError, PageAllocator
+from engine.kv.prefix_cache import PrefixCache
+from engine.kv.tiers import CopyStats
+from engine.sampling.params import SamplingParams
 
 POOL = 12  # the largest request fits alone, not beside every session pin of both tenants
 DRAIN_STEPS = 500

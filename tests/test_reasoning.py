@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 from engine.config import ModelLoadError
-from engine.detokenizer import Decoder
-from engine.reasoning import Reasoning, ReasoningDetokenizer, ReasoningFormat
+from engine.core.detokenizer import Decoder
+from engine.core.reasoning import Reasoning, ReasoningDetokenizer, ReasoningFormat
 from grammar.tools import check_tool_output, parse_tools, tool_constraint
 from tests.tiny_models import THINK_IDS, save_tiny_reasoner
 
@@ -210,7 +210,7 @@ def test_a_model_without_markers_is_unchanged(smollm2):
 def test_mask_rows_of_reasoning_requests(llm):
     """Thinking: no row unconstrained, every token but the output's end constrained (bit 31 of a
     word included), only the end marker on the budget's last token."""
-    from engine.request import Request
+    from engine.core.request import Request
 
     stage, fmt = llm.engine.grammar, llm.engine.reasoning_format
     spec = SamplingParams(response_format={"type": "json_object"}).constraint
@@ -236,7 +236,7 @@ def test_mask_rows_of_reasoning_requests(llm):
 
 def test_the_template_writes_calls_in_the_hermes_format(reasoner_dir):
     """What the grammar enforces is what the (Qwen3-shaped) template renders for a call."""
-    from gateway.tokenizer import GatewayTokenizer
+    from gateway.openai.tokenizer import GatewayTokenizer
     from grammar.tool_parser import HERMES
 
     tok = AutoTokenizer.from_pretrained(reasoner_dir)

@@ -23,10 +23,10 @@ from openai import OpenAI
 from test_sessions import redis_server, redis_url  # noqa: F401 - module-scoped fixtures
 
 from gateway import redis_store
-from gateway.response_chain import Chain, Stores, commit
-from gateway.response_store import MemoryRecords, RedisRecords
-from gateway.session_store import MemoryStore, RedisStore, Session
-from gateway.storage_quota import MemoryLedger
+from gateway.access.quota import MemoryLedger
+from gateway.responses.chain import Chain, Stores, commit
+from gateway.responses.store import MemoryRecords, RedisRecords
+from gateway.sessions.store import MemoryStore, RedisStore, Session
 
 MODEL = "SmolLM2-135M-Instruct"
 ALPHA, BETA = "sk-test-alpha", "sk-test-beta"

@@ -9,10 +9,10 @@ import itertools
 import pytest
 import torch
 
-from engine.counter_rng import hash32, mix, open_uniform
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.request import Request
+from engine.sampling.counter_rng import hash32, mix, open_uniform
+from engine.sampling.params import InvalidRequestError, SamplingParams
+from engine.sampling.sampler import Sampler
 
 EOS = 2
 NEG = float("-inf")

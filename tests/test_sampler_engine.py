@@ -9,9 +9,9 @@ import pytest
 
 from engine import SamplingParams
 from gateway.errors import APIError
-from gateway.params import plan_completion
-from gateway.schemas import CompletionRequest
-from gateway.tokenizer import GatewayTokenizer
+from gateway.openai.params import plan_completion
+from gateway.openai.schemas import CompletionRequest
+from gateway.openai.tokenizer import GatewayTokenizer
 from tests.test_gateway_units import _facts, _FakeHF
 
 SHORT = [{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.counter_rng import hash32, open_uniform
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.sampling.counter_rng import hash32, open_uniform
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import Sampler
 
 pytestmark = pytest.mark.gpu
 EOS = 2

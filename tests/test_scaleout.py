@@ -27,9 +27,9 @@ from test_lora_http import make_adapter
 from test_sessions import redis_server, redis_url  # noqa: F401 - module-scoped fixtures
 
 from gateway import registry
+from gateway.access.limits import SharedLimiter
 from gateway.config import TenantLimits
 from gateway.errors import APIError
-from gateway.limits import SharedLimiter
 from gateway.registry import ReplicaInfo
 from gateway.router.pool import choose, fleet_base
 from tests.tiny_models import save_tiny

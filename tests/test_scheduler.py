@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.page_allocator import PageAllocator
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.kv.page_allocator import PageAllocator
+from engine.sampling.params import SamplingParams
 
 
 def make(num_pages=64, page_size=4, seqs=8, budget=32):

@@ -22,10 +22,10 @@ from openai import OpenAI
 
 from gateway import redis_store
 from gateway.errors import APIError
+from gateway.openai.schemas import ChatCompletionRequest
 from gateway.redis_store import StoreUnavailable
-from gateway.schemas import ChatCompletionRequest
-from gateway.session_store import MemoryStore, RedisStore, Session
-from gateway.sessions import resolve_session
+from gateway.sessions.store import MemoryStore, RedisStore, Session
+from gateway.sessions.turns import resolve_session
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = {"role": "system", "content": "You are a terse agent. You call tools and report "

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
-from engine.speculative import PromptLookup  # noqa: E402
+from engine.spec.speculative import PromptLookup  # noqa: E402
 from kernels import spec_decode as sd  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py): prompt-lookup drafts verified in one forward
+"""Speculative decoding (engine/spec/speculative.py): prompt-lookup drafts verified in one forward
 give exactly the tokens of decoding one step at a time, greedy and seeded sampling alike, with
 stop strings, max_tokens and logprobs as without speculation; constrained requests draft what
 their grammar forces and what they copy, and still validate; opted-out and penalized requests
@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.speculative import MIN_ACCEPTANCE, PROBATION, PromptLookup, Speculator
+from engine.sampling.params import SamplingParams
+from engine.spec.speculative import MIN_ACCEPTANCE, PROBATION, PromptLookup, Speculator
 
 
 def test_prompt_lookup_takes_the_longest_latest_match():
@@ -103,7 +103,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding(smollm2):
 
 @contextmanager
 def looping(llm, k: int = 4, max_batch: int = 8):
-    """The overlapped speculative loop (engine/spec_loop.py) on this CPU engine: on CUDA the
+    """The overlapped speculative loop (engine/spec/loop.py) on this CPU engine: on CUDA the
     overlapped schedule is the default. Yields the speculator and the requests of each loop
     step as it is read back."""
     eng = llm.engine
@@ -311,8 +311,8 @@ def test_a_forced_run_shares_one_forward_with_looked_up_drafts(smollm2):
 
 
 def test_a_request_whose_drafts_fail_stops_drafting():
-    from engine.request import Request
-    from engine.scheduler import ScheduledSeq
+    from engine.core.request import Request
+    from engine.core.scheduler import ScheduledSeq
 
     spec = Speculator(4)
     req = Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
@@ -350,8 +350,8 @@ def test_acceptance_keeps_the_target_distribution():
     otherwise a token of p restricted to the others; then the next position's token, under
     the grammar mask applied at that draft position. 4,000 seeded requests, chi-square at
     significance 1e-3 (fixed seeds: deterministic), no draws into the masked tokens."""
-    from engine.sampler import Sampler
-    from engine.scheduler import ScheduledSeq
+    from engine.core.scheduler import ScheduledSeq
+    from engine.sampling.sampler import Sampler
     from tests.test_sampler import CHI2_CRIT, PROBS8, _chi2, request
 
     n, draft = 4000, 1  # the draft is token 1 (p = 0.20)
@@ -389,10 +389,11 @@ def test_acceptance_keeps_the_target_distribution():
 
 def test_verify_graph_inputs_give_the_eager_logits(smollm2):
     """On a GPU, a speculative step of several sequences replays a CUDA graph
-    (`engine.cuda_graphs.VerifyGraphs`): `verify_forward` over `verify_layout`'s padded inputs.
+    (`engine.runner.cuda_graphs.VerifyGraphs`): `verify_forward` over `verify_layout`'s padded
+    inputs.
     Run here without the capture, that forward gives each such step's eager logits."""
-    from engine.cuda_graphs import VERIFY_SIZES, verify_forward, verify_layout
-    from engine.model_runner import _ends_sampled
+    from engine.runner.cuda_graphs import VERIFY_SIZES, verify_forward, verify_layout
+    from engine.runner.model_runner import _ends_sampled
 
     runner = smollm2.engine.runner
     forward, checked, q = runner.forward, [], 4  # 1 + the drafts of `speculating(k=3)`
@@ -430,7 +431,7 @@ def test_a_cpu_engine_speculates_for_a_lone_decode_only():
     """On a CPU the forward is compute-bound from a few rows on: `num_speculative_tokens`
     gives a speculator that drafts only when a step has one decode."""
     from engine import LLM
-    from engine.speculative import CPU_MAX_BATCH, MAX_BATCH
+    from engine.spec.speculative import CPU_MAX_BATCH, MAX_BATCH
 
     spec = LLM("synthetic:tiny", num_pages=64, num_speculative_tokens=3).engine.speculator
     assert spec is not None and spec.k == 3 and spec.max_batch == CPU_MAX_BATCH < MAX_BATCH

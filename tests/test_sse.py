@@ -9,14 +9,14 @@ import json
 
 from engine.messages import RequestOutput
 from engine.protocols import EngineStats
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from gateway.access.limits import LocalTicket, TenantLimiter
 from gateway.config import TenantLimits
-from gateway.generation import Generation
-from gateway.limits import LocalTicket, TenantLimiter
 from gateway.metrics import Metrics
-from gateway.params import Job
-from gateway.responses import CompletionFormat
-from gateway.sse import DONE, stream_events
+from gateway.openai.bodies import CompletionFormat
+from gateway.openai.generation import Generation
+from gateway.openai.params import Job
+from gateway.openai.sse import DONE, stream_events
 
 
 def _generation() -> Generation:

@@ -1,4 +1,4 @@
-"""The storage ledger (gateway/storage_quota.py) on both implementations: quotas on sessions,
+"""The storage ledger (gateway/access/quota.py) on both implementations: quotas on sessions,
 bytes and one history's bytes; a refused change applies nothing; drops, expiry, reservations;
 concurrent replicas never pass a quota together (a real redis-server)."""
 
@@ -11,7 +11,7 @@ import pytest
 from test_sessions import redis_server, redis_url  # noqa: F401 - module-scoped fixtures
 
 from gateway import redis_store
-from gateway.storage_quota import (
+from gateway.access.quota import (
     OVERHEAD,
     MemoryLedger,
     QuotaExceeded,

@@ -10,9 +10,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig, ModelLoadError
-from engine.loader import resolve_model_dir
-from engine.models.llama import LlamaForCausalLM, rope_inv_freq
-from engine.synthetic import VOCAB_SIZE, fill_uniform_, hf_config, synthetic_model
+from engine.runner.loader import resolve_model_dir
+from engine.runner.models.llama import LlamaForCausalLM, rope_inv_freq
+from engine.runner.synthetic import VOCAB_SIZE, fill_uniform_, hf_config, synthetic_model
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

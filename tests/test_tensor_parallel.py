@@ -23,9 +23,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig, ModelLoadError
-from engine.parallel import RankDied
-from engine.partition import Partition, cut_fused
-from engine.synthetic import hf_config
+from engine.parallel.collectives import RankDied
+from engine.parallel.partition import Partition, cut_fused
+from engine.runner.synthetic import hf_config
 from tests.tiny_models import random_peft_adapter
 
 SYSTEM = "You are a careful assistant who answers in one short sentence and never rambles. "
@@ -65,7 +65,7 @@ def test_partition_splits_heads_by_kv_group_and_replicates_few_kv_heads():
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mqa", "qwen3-tiny"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_shards_put_back_together_are_the_whole_model(preset, size):
-    from engine.models.llama import LlamaForCausalLM
+    from engine.runner.models.llama import LlamaForCausalLM
 
     cfg = ModelConfig.from_hf(hf_config(preset))
     torch.manual_seed(0)
@@ -98,7 +98,7 @@ def test_shards_put_back_together_are_the_whole_model(preset, size):
 def test_a_rank_reads_only_its_slices_of_a_checkpoint(tmp_path):
     """The HF-folder path (sliced safetensors reads) gives the shards `cut_fused` cuts from
     the whole model: uneven KV heads, tied embeddings, a vocabulary two ranks split unevenly."""
-    from engine.loader import load_model
+    from engine.runner.loader import load_model
     from tests.tiny_models import save_tiny
 
     folder = save_tiny(tmp_path / "m", "llama", vocab_size=321, hidden_size=96,
@@ -234,7 +234,7 @@ def test_a_rank_dead_before_joining_fails_the_start_at_once(tmp_path):
 def test_server_goes_not_ready_when_a_rank_dies(tmp_path):
     """Through the engine thread: an idle engine's readiness drops, and a request then fails
     with the reason instead of waiting."""
-    from engine.async_engine import AsyncEngine
+    from engine.ipc.async_engine import AsyncEngine
     from engine.messages import GenerateRequest
 
     async def run() -> None:

@@ -222,8 +222,8 @@ def test_forced_text_is_malformed_never_emitted(fmt) -> None:
 
 
 def test_fallback_prompt_renders_tools_calls_and_results() -> None:
-    from gateway.schemas import ChatCompletionRequest
-    from gateway.tools import render_messages, resolve_tools
+    from gateway.openai.schemas import ChatCompletionRequest
+    from gateway.openai.tools import render_messages, resolve_tools
 
     call = {"id": "c1", "type": "function",
             "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
@@ -284,9 +284,9 @@ Respond with {"name": function name, "parameters": dictionary of arguments}.
 def test_native_template_sets_the_call_format(smollm2_dir) -> None:
     from transformers import AutoTokenizer
 
-    from gateway.params import EngineFacts, plan_chat
-    from gateway.schemas import ChatCompletionRequest
-    from gateway.tokenizer import GatewayTokenizer
+    from gateway.openai.params import EngineFacts, plan_chat
+    from gateway.openai.schemas import ChatCompletionRequest
+    from gateway.openai.tokenizer import GatewayTokenizer
     from grammar.tools import call_format
 
     hf = AutoTokenizer.from_pretrained(smollm2_dir)

@@ -35,7 +35,7 @@ from gateway.body import read_capped
 from gateway.errors import APIError, install_error_handlers
 from gateway.redis_store import AFFINITY, Redis
 from gateway.registry import HEARTBEAT_S, ReplicaInfo
-from gateway.response_items import RESPONSE_ID_HEADER
+from gateway.responses.items import RESPONSE_ID_HEADER
 from gateway.router import proxy
 from gateway.router.pool import ReplicaPool
 

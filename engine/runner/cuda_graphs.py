@@ -1,0 +1,552 @@
+"""CUDA graphs of the forward (embedding to fp32 logits): decode steps, and one sequence's short
+last chunk.
+
+A decode-only step of `n` sequences replays the graph of the smallest captured size `b >= n`.
+Every input lives in a static buffer the graph was captured on, filled from the step's
+`StepInputs` before a replay; rows `n..b` are padding: token 0 at position 0, its K/V written to
+the runner's spare pad page, its logits ignored. With LoRA, each size has two more graphs: one
+whose projections run `kernels.seg_lora` over a static segment table of fixed capacity
+(`segment_capacity`), refilled from the step's adapter slots before a replay, and one running
+BGMV over static per-token slots, replayed when the step's adapters make more segments than
+`lora.batch.graph_kernel` allows (then each row reads its own adapter anyway, and BGMV's wider
+grid reads faster). Graphs are keyed `(size, LoRA kernel or None)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.runner.models.llama import LlamaForCausalLM
+from engine.runner.step_inputs import StepInputs
+from kernels.attention import AttentionMetadata
+from kernels.seg_lora import MAX_ROWS, segment_table
+from kernels.upload import Staging
+from lora.batch import SEGMENTED_MAX_SEGMENTS, LoraBatchInfo, graph_kernel
+from lora.layers import LoraContext
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # iterated once per forward, layer by layer
+
+
+def capture_graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm `forward` up on a side stream (compiles kernels, outside the capture), then capture
+    it into `pool`; returns the graph and the output it writes."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
+def _stage_segments(h: dict[str, np.ndarray], slots: list[int], capacity: int) -> int:
+    """Write the segment table of rows with adapter `slots` into the staged host buffers;
+    returns how many of its segments have an adapter."""
+    indptr, seg_slots = segment_table(slots, capacity)
+    h["seg_indptr"][: capacity + 1] = indptr
+    h["seg_slots"][:capacity] = seg_slots
+    return sum(s >= 0 for s in seg_slots)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to 128 and every 32 beyond, capped at `max_batch`."""
+    sizes = [1, 2, 4, 8] + list(range(16, 129, 16)) + list(range(160, max_batch + 1, 32))
+    return sorted({min(s, max_batch) for s in sizes})
+
+
+class _GraphSet:
+    """What the decode, extend and verify graph sets share: static inputs staged on the host
+    and sent up in one copy per replay; capturing every size, without LoRA and with each LoRA
+    kernel of `lora_kernels`."""
+
+    lora_kernels: tuple[str, ...] = ("segmented", "bgmv")
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: KVCaches,
+        page_size: int,
+        pad_page: int,
+        max_pages_per_seq: int,
+        lora: LoraContext | None,
+        sizes: list[int],
+        inputs: dict[str, tuple[torch.dtype, tuple[int, ...], int]],
+    ):
+        """`inputs`: the static inputs, name -> (dtype, shape, value before the first step)."""
+        self.model, self.kv_caches, self.lora = model, kv_caches, lora
+        self.page_size, self.pad_page = page_size, pad_page
+        self.pad_slot = pad_page * page_size
+        self.max_pages = max_pages_per_seq
+        self.sizes = sizes
+        device = model.embed_tokens.weight.device
+        self.inputs = Staging({k: (dtype, shape) for k, (dtype, shape, _) in inputs.items()},
+                              device)
+        for name, (_, _, value) in inputs.items():
+            self.inputs.host[name].fill(value)
+        self._copied = torch.cuda.Event()  # recorded after each copy out of the host buffer
+        self._send()
+        self.graphs: dict[tuple[int, str | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        variants = (None, *self.lora_kernels) if self.lora is not None else (None,)
+        for b in reversed(self.sizes):
+            for kernel in variants:
+                self._set_lora(b, kernel)
+                self.graphs[(b, kernel)] = capture_graph(lambda b=b: self._forward(b), pool)
+        if self.lora is not None:
+            self.lora.info = None
+        torch.cuda.synchronize()
+
+    def _stage(self) -> dict[str, np.ndarray]:
+        """The host side of the static inputs, to fill for the next replay: rewritten only once
+        the last copy out of it has run, so staging never races a copy still queued."""
+        self._copied.synchronize()
+        return self.inputs.host
+
+    def _send(self, last: str | None = None, rows: int = 0) -> None:
+        """Copy the staged inputs up without waiting (`Staging.send`)."""
+        self.inputs.send(last, rows)
+        self._copied.record()
+
+    def segment_capacity(self, b: int) -> int:
+        """Segments in the segmented LoRA graph of size `b`."""
+        raise NotImplementedError
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The forward of size `b` over the static inputs, as captured."""
+        raise NotImplementedError
+
+    def _set_lora(self, b: int, kernel: str | None) -> None:
+        """The LoRA wrappers read `lora.info` while being captured: a kernel over the static
+        LoRA inputs of size `b` (their capacity, not the step's adapters, sizes the grid)."""
+        if self.lora is None:
+            return
+        d = self.inputs.dev
+        if kernel == "segmented":
+            cap = self.segment_capacity(b)
+            self.lora.info = LoraBatchInfo.segmented(d["seg_indptr"][: cap + 1],
+                                                     d["seg_slots"][:cap])
+        elif kernel == "bgmv":
+            self.lora.info = LoraBatchInfo.per_token(d["token_slots"][:b])
+        else:
+            self.lora.info = None
+
+
+class DecodeGraphs(_GraphSet):
+    @staticmethod
+    def segment_capacity(b: int) -> int:
+        """Segments the segmented LoRA graph of size `b` launches programs for: its step has at
+        most `SEGMENTED_MAX_SEGMENTS` with an adapter, and one of base rows (sorted by slot,
+        they are one run). Every program past the step's segments exits at once, but costs."""
+        return min(b, SEGMENTED_MAX_SEGMENTS + 1)
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: KVCaches,
+        page_size: int,
+        pad_page: int,
+        max_batch: int,
+        max_pages_per_seq: int,
+        lora: LoraContext | None,
+    ):
+        sizes = capture_sizes(max_batch)
+        b = sizes[-1]
+        # The tables come last: a graph of size s needs their first s rows only.
+        super().__init__(model, kv_caches, page_size, pad_page, max_pages_per_seq, lora, sizes, {
+            "input_ids": (torch.long, (b,), 0),
+            "positions": (torch.long, (b,), 0),
+            "slot_mapping": (torch.long, (b,), pad_page * page_size),
+            "lens": (torch.int32, (b,), 1),
+            "token_slots": (torch.int32, (b,), -1),
+            "seg_indptr": (torch.int32, (b + 1,), 0),
+            "seg_slots": (torch.int32, (b,), -1),
+            "tables": (torch.int32, (b, max_pages_per_seq), pad_page),
+        })
+        self.last_key: tuple[int, str | None] | None = None  # the graph replayed last
+        self._rows: list[list[int] | None] = [None] * b  # the pages each host table row holds
+
+    def fits(self, num_seqs: int, context: int) -> bool:
+        """A decode-only step of `num_seqs` sequences, the longest `context` tokens long."""
+        return num_seqs <= self.sizes[-1] and -(-context // self.page_size) <= self.max_pages
+
+    def run(self, inputs: StepInputs, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay for a decode-only step of `n` sequences, each sampled. `device_ids` ([n], on
+        the device) replaces `inputs.input_ids` when given. Returns fp32 logits [n, vocab] (a
+        view of the graph's output, valid until the next replay)."""
+        n = len(inputs.input_ids)
+        b = next(s for s in self.sizes if s >= n)
+        h = self._stage()
+        h["input_ids"][:n] = inputs.input_ids
+        h["positions"][:n] = inputs.positions
+        h["slot_mapping"][:n] = inputs.slot_mapping
+        h["lens"][:n] = inputs.context_lens
+        for i, pages in enumerate(inputs.tables):  # a row is rewritten only when its pages changed
+            if self._rows[i] != pages:
+                h["tables"][i, : len(pages)] = pages
+                self._rows[i] = list(pages)
+        # Padding rows: token 0 at position 0, written to the pad page, which it attends to.
+        h["input_ids"][n:b] = 0
+        h["positions"][n:b] = 0
+        h["slot_mapping"][n:b] = self.pad_slot
+        h["lens"][n:b] = 1
+        h["tables"][n:b, 0] = self.pad_page
+        self._rows[n:b] = [None] * (b - n)
+        kernel = None
+        if self.lora is not None and any(s >= 0 for s in inputs.lora_slots):
+            # Rows n..b (padding) are in no segment and have no slot.
+            kernel = graph_kernel(_stage_segments(h, inputs.lora_slots, b))
+            if kernel == "bgmv":
+                h["token_slots"][:n] = inputs.lora_slots
+                h["token_slots"][n:b] = -1
+        self._send("tables", b)
+        if device_ids is not None:
+            self.inputs.dev["input_ids"][:n].copy_(device_ids)
+        self.last_key = (b, kernel)
+        graph, logits = self.graphs[self.last_key]
+        graph.replay()
+        return logits[:n]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        d = self.inputs.dev
+        empty = d["lens"][:0]
+        meta = AttentionMetadata(
+            slot_mapping=d["slot_mapping"][:b],
+            page_size=self.page_size,
+            num_decodes=b,
+            decode_tables=d["tables"][:b],
+            decode_lens=d["lens"][:b],
+            prefill_tables=d["tables"][:0],
+            prefill_query_start=empty,
+            prefill_lens=empty,
+            max_prefill_len=0,
+        )
+        hidden = self.model(d["input_ids"][:b], d["positions"][:b], self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+
+EXTEND_ROWS = 17  # logits rows of an extend graph: a speculative decode's 1 + up to 16 drafts
+
+
+def extend_sizes(max_tokens: int) -> list[int]:
+    """Padded chunk lengths of the extend graphs: every 16 up to 128, then every 32 up to 256
+    (padding costs attention work), capped at `max_tokens`."""
+    sizes = list(range(16, 129, 16)) + list(range(160, 257, 32))
+    return sorted({min(s, max_tokens) for s in sizes})
+
+
+class ExtendGraphs(_GraphSet):
+    """CUDA graphs of one sequence's short last chunk: a cached session's next turn, whose
+    eager forward would cost more host time launching kernels than GPU time running them.
+
+    A chunk of `n` new tokens on a context of `ctx` replays the graph of the smallest size
+    `b >= n`: the chunk becomes `b` queries at positions `ctx - n .. ctx - n + b - 1`. The
+    `b - n` padding queries come after the real ones, so causality hides them from every real
+    query; they write their K/V to the pad page, read the pad page past the context, and only
+    the sampled tokens' logits are kept: the last real one's, or every position of a
+    speculative decode's (up to `EXTEND_ROWS`). One sequence is one adapter, so LoRA is
+    segmented.
+    """
+
+    lora_kernels = ("segmented",)
+
+    @staticmethod
+    def segment_capacity(b: int) -> int:
+        """One sequence, one adapter: segments of `MAX_ROWS` rows."""
+        return -(-b // MAX_ROWS)
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: KVCaches,
+        page_size: int,
+        pad_page: int,
+        max_tokens: int,
+        max_pages_per_seq: int,
+        lora: LoraContext | None,
+    ):
+        sizes = extend_sizes(max_tokens)
+        b = sizes[-1]
+        super().__init__(model, kv_caches, page_size, pad_page, max_pages_per_seq, lora, sizes, {
+            "input_ids": (torch.long, (b,), 0),
+            "positions": (torch.long, (b,), 0),
+            "slot_mapping": (torch.long, (b,), pad_page * page_size),
+            "sample_rows": (torch.long, (EXTEND_ROWS,), 0),
+            "lens": (torch.int32, (1,), b),
+            "seg_indptr": (torch.int32, (b + 1,), 0),
+            "seg_slots": (torch.int32, (b,), -1),
+            "table": (torch.int32, (1, max_pages_per_seq), pad_page),
+        })
+        device = model.embed_tokens.weight.device
+        self.query_start = {s: torch.tensor([0, s], dtype=torch.int32, device=device)
+                            for s in self.sizes}
+
+    def fits(self, num_tokens: int, context: int) -> bool:
+        """A chunk of `num_tokens` ending at `context` tokens; its padding's positions must
+        stay inside the table too."""
+        if not 1 < num_tokens <= self.sizes[-1]:
+            return False
+        b = next(s for s in self.sizes if s >= num_tokens)
+        return context - num_tokens + b <= self.max_pages * self.page_size
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replay for a step of one sequence's chunk of `n` tokens, sampled at its
+        `inputs.sample_rows` (at most `EXTEND_ROWS`). Returns the fp32 logits [rows, vocab] of
+        those tokens (a view, valid until the next replay)."""
+        n, rows = len(inputs.input_ids), inputs.sample_rows
+        b = next(s for s in self.sizes if s >= n)
+        start, pages, slot = inputs.positions[0], inputs.tables[0], inputs.lora_slots[0]
+        h = self._stage()
+        h["input_ids"][:n] = inputs.input_ids
+        h["input_ids"][n:b] = 0
+        h["positions"][:n] = inputs.positions
+        h["positions"][n:b] = 0
+        h["slot_mapping"][:n] = inputs.slot_mapping
+        h["slot_mapping"][n:b] = self.pad_slot
+        h["table"][0, : len(pages)] = pages
+        h["table"][0, len(pages) :] = self.pad_page
+        h["lens"][0] = start + b
+        h["sample_rows"][: len(rows)] = rows
+        h["sample_rows"][len(rows) :] = n - 1  # unread rows
+        kernel = "segmented" if self.lora is not None and slot >= 0 else None
+        if kernel:  # the padding queries are in no segment
+            _stage_segments(h, [slot] * n, b)
+        self._send("table", 1)
+        graph, logits = self.graphs[(b, kernel)]
+        graph.replay()
+        return logits[: len(rows)]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        d = self.inputs.dev
+        empty = d["lens"][:0]
+        meta = AttentionMetadata(
+            slot_mapping=d["slot_mapping"][:b],
+            page_size=self.page_size,
+            num_decodes=0,
+            decode_tables=d["table"][:0],
+            decode_lens=empty,
+            prefill_tables=d["table"],
+            prefill_query_start=self.query_start[b],
+            prefill_lens=d["lens"],
+            max_prefill_len=b,
+        )
+        hidden = self.model(d["input_ids"][:b], d["positions"][:b], self.kv_caches, meta)
+        return self.model.compute_logits(hidden.index_select(0, d["sample_rows"]))
+
+
+VERIFY_SIZES = (1, 2, 4, 8, 16)  # sequences
+
+
+class VerifyGraphs(_GraphSet):
+    """CUDA graphs of a step of a few sequences, each a short chunk ending at a sampled
+    position: a speculative step's decodes with their drafts (engine/spec/speculative.py), beside
+    plain decodes and the chunks jump-forward appends. Eagerly, such a step costs more host
+    time launching kernels than GPU time running them.
+
+    A step of `s` sequences replays the graph of the smallest size `b >= s`. Each sequence gets
+    `queries` query slots (1 + the engine's draft tokens): its `n` real tokens, then padding
+    queries at the positions after them, which causality hides from the real ones; they write
+    their K/V to the pad page and their logits are not kept. Sequences `s..b` are padding
+    throughout. LoRA is segmented: a sequence's padding queries take its adapter, so that each
+    sequence stays one run.
+    """
+
+    lora_kernels = ("segmented",)
+
+    def segment_capacity(self, b: int) -> int:
+        """Runs of equal slot over `b` sequences (at most `b`), cut into `MAX_ROWS` rows."""
+        return b + -(-b * self.queries // MAX_ROWS)
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: KVCaches,
+        page_size: int,
+        pad_page: int,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        lora: LoraContext | None,
+        queries: int,
+    ):
+        self.queries = q = queries
+        sizes = [s for s in VERIFY_SIZES if s <= max_seqs]
+        b = sizes[-1]
+        t = b * q
+        super().__init__(model, kv_caches, page_size, pad_page, max_pages_per_seq, lora, sizes, {
+            "input_ids": (torch.long, (t,), 0),
+            "positions": (torch.long, (t,), 0),
+            "slot_mapping": (torch.long, (t,), pad_page * page_size),
+            "sample_rows": (torch.long, (t,), 0),
+            "lens": (torch.int32, (b,), q),
+            "seg_indptr": (torch.int32, (self.segment_capacity(b) + 1,), 0),
+            "seg_slots": (torch.int32, (self.segment_capacity(b),), -1),
+            "tables": (torch.int32, (b, max_pages_per_seq), pad_page),
+        })
+        device = model.embed_tokens.weight.device
+        self.query_start = {s: torch.arange(0, (s + 1) * q, q, dtype=torch.int32, device=device)
+                            for s in self.sizes}
+
+    def fits(self, inputs: StepInputs) -> bool:
+        """A step of 1..max sequences, each `queries` tokens or fewer and sampled at its last
+        (a decode, drafted or not, or a prompt's last chunk), with room in the table for its
+        padding's positions."""
+        num_seqs = len(inputs.tables)
+        if not 1 <= num_seqs <= self.sizes[-1]:
+            return False
+        limit = self.max_pages * self.page_size - self.queries
+        starts = _seq_starts(inputs)
+        return all(n <= self.queries and inputs.positions[i] <= limit
+                   for i, n in zip(starts, inputs.num_new_tokens, strict=True))
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replay for a step that `fits`. Returns the fp32 logits [rows, vocab] of its
+        `inputs.sample_rows` (a view, valid until the next replay)."""
+        s, q = len(inputs.tables), self.queries
+        b = next(size for size in self.sizes if size >= s)
+        h = self._stage()
+        layout = verify_layout(inputs, b, q, self.pad_page, self.page_size)
+        tables = layout.pop("tables")
+        for name, values in layout.items():
+            h[name][: len(values)] = values
+        h["tables"][:b, : tables.shape[1]] = tables
+        h["tables"][:b, tables.shape[1] :] = self.pad_page
+        kernel = None
+        if self.lora is not None and any(slot >= 0 for slot in inputs.lora_slots):
+            kernel = "segmented"
+            slots = [slot for slot in inputs.lora_slots for _ in range(q)] + [-1] * (b - s) * q
+            _stage_segments(h, slots, self.segment_capacity(b))
+        self._send("tables", b)
+        graph, logits = self.graphs[(b, kernel)]
+        graph.replay()
+        return logits[: len(inputs.sample_rows)]
+
+    def run_fed(self, fed: VerifyFed) -> torch.Tensor:
+        """Replay for a step built on the device (`VerifyFed`) of 1..max sequences, each of
+        exactly `queries` tokens. Returns the fp32 logits [sequences * queries, vocab] (a view,
+        valid until the next replay)."""
+        s, q = len(fed.lora_slots), self.queries
+        b = next(size for size in self.sizes if size >= s)
+        real, t = s * q, b * q
+        h = self._stage()
+        # Padding sequences, as `verify_layout` lays them out; the real ones come from `fed`.
+        h["input_ids"][real:t] = 0
+        h["positions"][real:t] = np.tile(np.arange(q), b - s)
+        h["slot_mapping"][real:t] = self.pad_slot
+        h["sample_rows"][:t] = np.arange(t)
+        h["lens"][s:b] = q
+        h["tables"][:b] = self.pad_page
+        kernel = None
+        if self.lora is not None and any(slot >= 0 for slot in fed.lora_slots):
+            kernel = "segmented"
+            slots = [slot for slot in fed.lora_slots for _ in range(q)] + [-1] * (b - s) * q
+            _stage_segments(h, slots, self.segment_capacity(b))
+        self._send("tables", b)
+        d = self.inputs.dev  # after the copy up, in stream order
+        d["input_ids"][:real].copy_(fed.input_ids)
+        d["positions"][:real].copy_(fed.positions)
+        d["slot_mapping"][:real].copy_(fed.slot_mapping)
+        d["lens"][:s].copy_(fed.lens)
+        d["tables"][:s, : fed.tables.shape[1]].copy_(fed.tables)
+        graph, logits = self.graphs[(b, kernel)]
+        graph.replay()
+        return logits[:real]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return verify_forward(self.model, self.kv_caches, self.inputs.dev, b, self.queries,
+                              self.page_size, self.query_start[b])
+
+
+@dataclass
+class VerifyFed:
+    """A verify step whose inputs were built on the device (the overlapped speculative loop,
+    engine/spec/loop.py): S sequences of q tokens each, all sampled."""
+
+    input_ids: torch.Tensor  # (S * q,) int64
+    positions: torch.Tensor  # (S * q,) int64
+    slot_mapping: torch.Tensor  # (S * q,) int64
+    lens: torch.Tensor  # (S,) int32: each sequence's context once the step ran
+    tables: torch.Tensor  # (S, width) int32: each sequence's pages, padded
+    lora_slots: list[int]  # each sequence's adapter slot (-1: the base model)
+
+
+def verify_layout(
+    inputs: StepInputs, b: int, q: int, pad_page: int, page_size: int
+) -> dict[str, np.ndarray]:
+    """A verify graph's static inputs of size `b` for a step that fits it: each sequence's
+    tokens at its `q` query slots, padding queries after them (token 0, at the
+    positions that follow, K/V to the pad page), whole padding sequences past the step's; the
+    sampled rows at their slots (unread rows: 0). `tables` are as wide as the step needs,
+    padded with the pad page."""
+    s = len(inputs.tables)
+    counts = np.asarray(inputs.num_new_tokens)
+    starts = np.asarray(_seq_starts(inputs))
+    within = np.arange(q)
+    real = np.zeros((b, q), dtype=bool)
+    real[:s] = within[None, :] < counts[:, None]
+    src = np.zeros((b, q), dtype=np.int64)
+    src[:s] = np.minimum(starts[:, None] + within[None, :], len(inputs.input_ids) - 1)
+    first = np.zeros(b, dtype=np.int64)
+    first[:s] = np.asarray(inputs.positions)[starts]  # each sequence's first position
+    pad_slot = pad_page * page_size
+    lens = (first + q).astype(np.int32)  # the padding queries' positions included
+    width = max(max(len(t) for t in inputs.tables), -(-int(lens.max()) // page_size))
+    tables = np.full((b, width), pad_page, dtype=np.int32)
+    for i, pages in enumerate(inputs.tables):
+        tables[i, : len(pages)] = pages
+    # A sampled token's slot: its sequence's row, its offset in the sequence.
+    seq_of = np.repeat(np.arange(s), counts)
+    offset = np.arange(len(inputs.input_ids)) - starts[seq_of]
+    rows = np.asarray(inputs.sample_rows, dtype=np.int64)
+    sample_rows = np.zeros(b * q, dtype=np.int64)
+    sample_rows[: len(rows)] = seq_of[rows] * q + offset[rows]
+    return {
+        "input_ids": np.where(real, np.asarray(inputs.input_ids)[src], 0).ravel(),
+        "positions": (first[:, None] + within[None, :]).ravel(),
+        "slot_mapping": np.where(real, np.asarray(inputs.slot_mapping)[src], pad_slot).ravel(),
+        "sample_rows": sample_rows,
+        "lens": lens,
+        "tables": tables,
+    }
+
+
+def verify_forward(
+    model: LlamaForCausalLM,
+    kv_caches: KVCaches,
+    d: dict[str, torch.Tensor],
+    b: int,
+    q: int,
+    page_size: int,
+    query_start: torch.Tensor,
+) -> torch.Tensor:
+    """The forward of a verify graph of size `b`, `q` queries a sequence, over its inputs `d`
+    (`verify_layout`'s, on the device): fp32 logits [b * q, vocab] of `d["sample_rows"]`."""
+    t = b * q
+    meta = AttentionMetadata(
+        slot_mapping=d["slot_mapping"][:t],
+        page_size=page_size,
+        num_decodes=0,
+        decode_tables=d["tables"][:0],
+        decode_lens=d["lens"][:0],
+        prefill_tables=d["tables"][:b],
+        prefill_query_start=query_start,
+        prefill_lens=d["lens"][:b],
+        max_prefill_len=q,
+    )
+    hidden = model(d["input_ids"][:t], d["positions"][:t], kv_caches, meta)
+    return model.compute_logits(hidden.index_select(0, d["sample_rows"][:t]))
+
+
+def _seq_starts(inputs: StepInputs) -> list[int]:
+    """Where each sequence's tokens start in the step: decodes first, one token each, then
+    the chunks at their query starts."""
+    nd = inputs.num_decodes
+    return list(range(nd)) + [nd + start for start in inputs.query_start[:-1]]

@@ -1,0 +1,98 @@
+"""The overlapped speculative loop: steps whose decodes verify drafts, each queued on the device
+before the host has read what the step before it accepted.
+
+A synchronous speculative step (`LLMEngine._speculate`) drafts on the host from the tokens the
+host has, so the device idles while the host reads a step's tokens, appends them, drafts and
+launches the next one: at batch 16 on an H100, a sixth of the step. Here the sequences' tokens
+are kept on the device as well (`DraftLoop.tokens`): the drafter proposes there
+(`DeviceDrafter.propose_on_device`), the step's inputs are built there, and its draws are
+compared with its drafts there, which appends the accepted tokens and advances each sequence.
+The host reads a step's draws and drafts while the device computes the next step, and runs them
+through the stop checks exactly as after a synchronous step (`LLMEngine._advance_drafted`).
+
+Every sequence verifies k drafts each step (a step's shape is fixed on the device); where the
+drafter has no match it proposes a guess, which costs nothing a memory-bound step would notice.
+What the host does not know when it queues a step it bounds: a sequence has at most 1 + k tokens
+more than the host has seen, so its pages are reserved for the positions that could reach.
+A request the host finds finished was computed one step too far; that row is dropped and the
+loop goes on without it. The engine decides when the loop ends (`LLMEngine._loop_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.core.request import Request
+from engine.core.scheduler import Batch
+from engine.runner.cuda_graphs import VerifyFed
+from engine.runner.model_runner import ModelRunner, Step, flat_tables
+from engine.spec.speculative import DeviceDrafter
+from kernels.spec_decode import accept, verify_inputs
+from kernels.upload import to_host, upload
+
+HEADROOM = 1024  # tokens a sequence may grow by before the loop must start over, wider
+
+
+@dataclass
+class LoopStep:
+    """A launched step of the loop: its draw is queued, its drafts on their way to the host."""
+
+    step: Step  # its rows: each request `1 + k` times, one per position
+    reqs: list[Request]  # in row order
+    # (S, k + 1) in (pinned) host memory once the step's draw has arrived: each sequence's
+    # drafts, then how many of them lead that were looked up (`DeviceDrafter`)
+    drafts: torch.Tensor
+
+
+class DraftLoop:
+    """The loop's sequences on the device: their tokens, lengths and prompt lengths."""
+
+    def __init__(self, reqs: list[Request], k: int, drafter: DeviceDrafter,
+                 device: torch.device):
+        self.k, self.drafter, self.device = k, drafter, device
+        self.reqs = reqs
+        longest = max(r.num_tokens for r in reqs)
+        self.width = -(-(longest + HEADROOM) // 256) * 256
+        tokens = np.zeros((len(reqs), self.width), np.int64)
+        for i, r in enumerate(reqs):
+            tokens[i, : r.num_tokens] = r.token_ids
+        self.tokens = torch.from_numpy(tokens).to(device)
+        self.lengths, self.prompt_lens = upload(
+            [[r.num_tokens for r in reqs], [r.num_prompt_tokens for r in reqs]], torch.long,
+            device)
+
+    def room(self, req: Request, in_flight: bool) -> bool:
+        """Whether the next step's writes fit `req`'s row: its tokens on the device are at most
+        1 + k past the host's (`in_flight`), and the step appends up to 1 + k more."""
+        q = self.k + 1
+        return req.num_tokens + (2 * q if in_flight else q) <= self.width
+
+    def launch(self, runner: ModelRunner, reqs: list[Request]) -> LoopStep:
+        """Queue a step of `reqs` (the loop's requests, in order, less those the host saw
+        finish) verifying k drafts each; their pages must cover the positions it computes."""
+        if reqs != self.reqs:
+            staying = set(reqs)
+            keep = [i for i, r in enumerate(self.reqs) if r in staying]
+            kept = upload([keep], torch.long, self.device)[0]
+            self.tokens, self.lengths, self.prompt_lens = (
+                t.index_select(0, kept) for t in (self.tokens, self.lengths, self.prompt_lens))
+            self.reqs = reqs
+        s, q = len(reqs), self.k + 1
+        drafts, looked = self.drafter.propose_on_device(self.tokens, self.lengths, self.k)
+        host_drafts = to_host(torch.cat([drafts, looked.unsqueeze(1)], dim=1))
+        tables = upload([flat_tables([r.pages for r in reqs])], torch.int32,
+                        self.device)[0].view(s, -1)
+        ids, positions, slots, outputs, lens = verify_inputs(
+            self.tokens, self.lengths, self.prompt_lens, drafts, tables, runner.page_size)
+        fed = VerifyFed(ids, positions, slots, lens, tables, [r.lora_slot for r in reqs])
+        logits = runner.verify(fed)
+        rows = [r for r in reqs for _ in range(q)]
+        step = Step(Batch(), rows, logits)
+        # Each position's noise is that of its token's index in the output, as without drafts.
+        runner.sample(step, rows, offsets=list(range(q)) * s, positions=outputs)
+        assert step.drawn is not None
+        accept(self.tokens, self.lengths, drafts, step.drawn.tokens.view(s, q))
+        return LoopStep(step, reqs, host_drafts)
