@@ -6,7 +6,8 @@ shard of the model (`engine.parallel.partition`) and of the paged KV pool (their
 same page ids). For each step rank 0 broadcasts the step's host inputs (`StepInputs`) and every
 rank runs the same forward: the ranks meet in one all-reduce after each row-parallel
 projection and an all-gather of the vocabulary shards' logits; only rank 0 samples. Adapters
-loaded into a slot on rank 0 are sent to the workers in the same order, before any step that uses them.
+loaded into a slot on rank 0 are sent to the workers in the same order, before any step that
+uses them.
 
 Collectives go through `torch.distributed` (NCCL between GPUs, gloo on CPUs); messages through
 a gloo group. A worker that dies is noticed at once (`engine.parallel.workers.Workers`): the engine
