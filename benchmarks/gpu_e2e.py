@@ -16,7 +16,15 @@ Sections (each records its figures, or its error, as one JSON line in --out):
                    rounds each, TTFT p50/p99;
   agent_trace      32 concurrent multi-turn sessions through HTTP: each turn appends a tool
                    result and asks again (contexts grow toward 8k tokens), sampled, tool calls
-                   and JSON schemas on some turns, 8 adapters.
+                   and JSON schemas on some turns, 8 adapters;
+  http_c512        512 requests from 512 streaming clients through `switchboard serve
+                   --api-servers 2` (over a local redis-server) ÷ the offline engine on the
+                   same 512 requests (`http_vs_offline_c512`), TTFT p50/p99.
+
+The http section also reports the offline engine fed the way its clients send
+(`pools_tok_s`): each client process's share, `concurrency` at a time, the next request
+submitted as soon as one finishes, with no HTTP between: what a server with no overhead
+would reach on that load, so `http_vs_offline_pools_c128` is the server's own share of the gap.
 
 Run by benchmarks/gpu_suite.py; `--device cpu --quick` runs every section small on a CPU
 (a check of the script, not a measurement).
@@ -50,6 +58,7 @@ from gpu_common import (
     weight_bytes,
     write_adapter,
 )
+from redis_server import RedisServer
 
 from engine import LLM, SamplingParams
 
@@ -98,6 +107,36 @@ def offline_tok_s(llm: LLM, prompts, outputs, make, device: str) -> float:
     outs = llm.generate(prompts, params)
     sync(device)
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def offline_pools_tok_s(llm: LLM, prompts, outputs, pools: int, concurrency: int,
+                        device: str) -> float:
+    """Output tokens/s of the offline engine fed as `http_workload` sends: pool k holds
+    requests k, k + pools, ... and keeps `concurrency // pools` of them in the engine,
+    submitting its next one as soon as one of its own finishes (between two steps)."""
+    eng = llm.engine
+    queues = [list(range(k, len(prompts), pools)) for k in range(pools)]
+    owner: dict[str, int] = {}
+
+    def submit(k: int) -> None:
+        if queues[k]:
+            i = queues[k].pop(0)
+            eng.add_request(f"pool-{i}", prompts[i], greedy(outputs[i]))
+            owner[f"pool-{i}"] = k
+
+    eng.reset_prefix_cache()
+    sync(device)
+    t, tokens = time.perf_counter(), 0
+    for k in range(pools):
+        for _ in range(concurrency // pools):
+            submit(k)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                tokens += out.num_output_tokens
+                submit(owner.pop(out.request_id))
+    sync(device)
+    return tokens / (time.perf_counter() - t)
 
 
 def matmul_rate(device: str, n: int = 8192) -> float:
@@ -206,6 +245,17 @@ def main() -> None:
         s.result.update(prompt_tok_s=round(tok_s),
                         prefill_mfu=round(tok_s * flops / setup["matmul_flops"], 3))
 
+    with rec.section("offline_pools", 30) as s:
+        offline["pools"] = offline_pools_tok_s(llm, prompts, outputs, CLIENT_PROCESSES, 128,
+                                               dev)
+        s.result["pools_tok_s"] = round(offline["pools"])
+    n512 = 64 if quick else 512
+    prompts512, outputs512 = mixed_workload(n512, vocab, scale, seed=11)
+    with rec.section("offline_c512", 60) as s:  # the best of two rounds, as for c128
+        offline["c512"] = max(offline_tok_s(llm, prompts512, outputs512,
+                                            lambda i, m: greedy(m), dev) for _ in range(2))
+        s.result["greedy_tok_s"] = round(offline["c512"])
+
     adapters = []
     for k in range(8):
         folder = args.adapter_dir / f"e2e{k}"
@@ -247,6 +297,9 @@ def main() -> None:
                                                             "server")} for r in rounds])
             if "greedy" in offline:
                 s.result["http_vs_offline_c128"] = round(res["tok_s"] / offline["greedy"], 3)
+            if "pools" in offline:
+                s.result["http_vs_offline_pools_c128"] = round(res["tok_s"] / offline["pools"],
+                                                               3)
         with rec.section("agent_trace", 120) as s:
             names = [srv.upload(f"tenant-bot-{k}", f) for k, f in enumerate(adapters)]
             turns, max_ctx = (3, 1024) if quick else (64, 8192)
@@ -254,6 +307,15 @@ def main() -> None:
             s.result.update(asyncio.run(agent_trace(srv.url, names, 8 if quick else 32, turns,
                                                     max_ctx, s.left)))
             s.result["server"] = queueing(before, srv.metrics())
+    with rec.section("http_c512", 150) as s, RedisServer() as redis, Server(
+            serve_flags + ["--api-servers", "2", "--redis-url", redis.url]) as srv:
+        # Warm-up as for c128 (other tokens, same shapes), then one round.
+        warm, warm_outputs = mixed_workload(n512 // 4, vocab, scale, seed=12)
+        http_workload(srv.url, warm, warm_outputs, 128, CLIENT_PROCESSES)
+        res = http_workload(srv.url, prompts512, outputs512, n512, CLIENT_PROCESSES)
+        s.result.update(res)
+        if "c512" in offline:
+            s.result["http_vs_offline_c512"] = round(res["tok_s"] / offline["c512"], 3)
 
 
 class Server:

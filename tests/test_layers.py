@@ -116,3 +116,24 @@ def test_the_gateway_side_of_the_seam_imports_no_torch() -> None:
     code = ("import sys, gateway.app, gateway.router.app, engine.messages\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
+
+
+MAX_FILE_LINES = 500
+MAX_CLASS_METHODS = 25
+
+
+def test_no_file_or_class_outgrows_its_room() -> None:
+    """A file over 500 lines or a class over 25 methods (properties and private helpers
+    count) holds more than one idea: split it by what its parts do."""
+    big = []
+    for name, path in _modules().items():
+        source = path.read_text()
+        if source.count("\n") > MAX_FILE_LINES:
+            big.append(f"{name}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(b, ast.FunctionDef | ast.AsyncFunctionDef)
+                              for b in node.body)
+                if methods > MAX_CLASS_METHODS:
+                    big.append(f"{name}.{node.name}: {methods} methods")
+    assert not big, "over the limits:\n" + "\n".join(big)

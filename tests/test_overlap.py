@@ -1,4 +1,4 @@
-"""The overlapped decode schedule (`LLMEngine._overlap_step`) gives exactly the synchronous
+"""The overlapped decode schedule (engine/core/steps.py `OverlapStep`) gives exactly the synchronous
 engine's outputs: tokens, text, finish reasons, logprobs; it drains for admissions, drops the
 rows of requests aborted or stopped while a step was in flight, and leaks no page. On CUDA it
 is the default; here (CPU) each test turns it on for the shared SmolLM2 engine."""
@@ -38,7 +38,7 @@ def overlapped(llm, on: bool = True):
     try:
         yield ahead
     finally:
-        eng.overlap, eng._ahead = False, None
+        eng.overlap = False
         del runner.launch
 
 

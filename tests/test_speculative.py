@@ -13,6 +13,7 @@ import torch
 
 from engine.sampling.params import SamplingParams
 from engine.spec.speculative import MIN_ACCEPTANCE, PROBATION, PromptLookup, Speculator
+from engine.spec.steps import DraftLoopStep
 
 
 def test_prompt_lookup_takes_the_longest_latest_match():
@@ -109,18 +110,19 @@ def looping(llm, k: int = 4, max_batch: int = 8):
     eng = llm.engine
     eng.speculator, eng.overlap = Speculator(k, max_batch=max_batch), True
     steps: list[list[str]] = []
-    step = eng._loop_step
+    mode = next(m for m in eng.modes if isinstance(m, DraftLoopStep))
+    collect = mode._collect
 
     def counting(prev):
         steps.append([r.request_id for r in prev.reqs])
-        return step(prev)
+        return collect(prev)
 
-    eng._loop_step = counting
+    mode._collect = counting
     try:
         yield eng.speculator, steps
     finally:
         eng.speculator, eng.overlap = None, False
-        del eng._loop_step
+        del mode._collect
 
 
 def test_the_overlapped_loop_gives_the_tokens_of_plain_decoding(smollm2):
@@ -389,11 +391,11 @@ def test_acceptance_keeps_the_target_distribution():
 
 def test_verify_graph_inputs_give_the_eager_logits(smollm2):
     """On a GPU, a speculative step of several sequences replays a CUDA graph
-    (`engine.runner.cuda_graphs.VerifyGraphs`): `verify_forward` over `verify_layout`'s padded
+    (`engine.runner.verify_graphs.VerifyGraphs`): `verify_forward` over `verify_layout`'s padded
     inputs.
     Run here without the capture, that forward gives each such step's eager logits."""
-    from engine.runner.cuda_graphs import VERIFY_SIZES, verify_forward, verify_layout
     from engine.runner.model_runner import _ends_sampled
+    from engine.runner.verify_graphs import VERIFY_SIZES, verify_forward, verify_layout
 
     runner = smollm2.engine.runner
     forward, checked, q = runner.forward, [], 4  # 1 + the drafts of `speculating(k=3)`

@@ -1,22 +1,15 @@
-"""The engine step: schedule -> run -> postprocess (`LLMEngine.step`).
-
-On CUDA the steps overlap (`EngineConfig.overlap_schedule`; `LLMEngine._overlap_step`): step
-N+1's forward is queued on the device, fed by step N's tokens there, before the host reads step
-N's tokens and postprocesses them, so the host's work per step hides behind the device's
-(SGLang's overlap scheduler). Requests that step N ends ran one token too far in step N+1; that
-row is dropped. Requests that start while the loop runs are prefilled in it when their whole
-prompt fits one step; one that needs chunks hands back to the regular schedule.
+"""The engine: one builder for rank 0's parts (model, tokenizer, KV pool, prefix cache,
+grammar stage, adapters, runner, scheduler), admission, and the step: schedule -> one of the
+step modes (engine/core/steps.py, engine/spec/steps.py) -> outputs (`LLMEngine.step`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import logging
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import cast
+from contextlib import nullcontext
 
 import torch
 
@@ -25,7 +18,8 @@ from engine.core.detokenizer import Decoder
 from engine.core.output_processor import OutputProcessor
 from engine.core.reasoning import ReasoningFormat
 from engine.core.request import Request
-from engine.core.scheduler import Batch, ScheduledSeq, Scheduler
+from engine.core.scheduler import Batch, Scheduler
+from engine.core.steps import STEP_KINDS, OverlapStep, StepMode, StepParts, SyncStep
 from engine.kv.disk import DiskKV, fingerprint
 from engine.kv.page_allocator import PageAllocator
 from engine.kv.prefix_cache import PrefixCache
@@ -34,22 +28,14 @@ from engine.parallel.collectives import SentSlots, rank_fingerprint
 from engine.parallel.partition import Partition
 from engine.parallel.workers import Workers
 from engine.runner.loader import load_model, resolve_model_dir
-from engine.runner.model_runner import Step, build_runner
+from engine.runner.model_runner import build_runner
 from engine.sampling.params import InvalidRequestError, SamplingParams, check_request
-from engine.sampling.sampler import SampleResult
 from engine.sampling.structured import GrammarStage
-from engine.spec.loop import DraftLoop, LoopStep
-from engine.spec.speculative import CPU_MAX_BATCH, MAX_BATCH, DeviceDrafter, Speculator
+from engine.spec.speculative import CPU_MAX_BATCH, MAX_BATCH, Speculator
+from engine.spec.steps import DraftLoopStep, SpeculativeStep
 from kernels import spec_decode
 from lora.manager import AdapterManager, UnknownAdapter
 from lora.slots import LoraSlots
-
-log = logging.getLogger(__name__)
-
-# How a step ran (`LLMEngine.step_times`): in the overlapped loop (queued behind the step in
-# flight), synchronously (prefill and admission steps, a request mid-chunk, CPU engines), or
-# carrying speculative drafts (synchronous too).
-STEP_KINDS = ("overlapped", "synchronous", "speculative")
 
 
 class AdapterAdmission:
@@ -100,8 +86,7 @@ class LLMEngine:
         cfg = self.cfg = cfg.resolve(dataclasses.replace(mc, num_kv_heads=kv_heads),
                                      device.type)  # from here on, no "auto" settings
         self.max_model_len = cfg.max_model_len
-        self.overlap = cfg.overlap_schedule
-        self.speculator = (Speculator(cfg.num_speculative_tokens, max_batch=MAX_BATCH
+        speculator = (Speculator(cfg.num_speculative_tokens, max_batch=MAX_BATCH
                                       if device.type == "cuda" else CPU_MAX_BATCH)
                            if cfg.num_speculative_tokens else None)
         self.eos_token_ids = set(mc.eos_token_ids)
@@ -125,9 +110,9 @@ class LLMEngine:
         self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
         self.runner = build_runner(self.model, cfg, sorted(self.eos_token_ids), slots, tp,
                                    self.grammar)
-        if self.speculator is not None and self.overlap:
+        if speculator is not None and cfg.overlap_schedule:
             # The overlapped speculative loop's kernels compile now, not in its first step.
-            spec_decode.warm_up(device, self.speculator.k, cfg.page_size)
+            spec_decode.warm_up(device, speculator.k, cfg.page_size)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
                                         cfg.session_kv_pages, self.runner.host_kv,
                                         self._disk_tier(cfg, dtype))
@@ -145,11 +130,12 @@ class LLMEngine:
                                    lambda: self.speculator, self._requests, self.eos_token_ids,
                                    self.max_model_len, self.decoder, self.reasoning_format,
                                    self.tokenizer)
-        self._ahead: Step | None = None  # the overlapped decode step in flight
-        # The overlapped speculative loop (engine/spec/loop.py): its sequences on the device,
-        # and its step in flight.
-        self._loop: DraftLoop | None = None
-        self._loop_ahead: LoopStep | None = None
+        self.parts = StepParts(self.scheduler, self.runner, self.out, self.grammar, speculator,
+                               cfg.overlap_schedule, single_device=self.workers is None)
+        # In the order they are offered a batch; the synchronous step takes any.
+        self.modes: list[StepMode] = [DraftLoopStep(self.parts), SpeculativeStep(self.parts),
+                                      OverlapStep(self.parts), SyncStep(self.parts)]
+        self._in_flight: StepMode | None = None  # the mode whose step is on the device
         # Per kind of step: how many ran and their wall seconds (`step`'s, device waits
         # included), for /metrics: an overlapped step costs the device's time, a synchronous
         # one the device's plus the host's.
@@ -166,6 +152,22 @@ class LLMEngine:
         per_tenant = int(cfg.kv_disk_tenant_gb * 2**30)
         return DiskKV(cfg.kv_disk_dir, fingerprint(model, cfg.dtype, shape), shape, dtype, cap,
                       per_tenant)
+
+    @property
+    def speculator(self) -> Speculator | None:
+        return self.parts.speculator
+
+    @speculator.setter
+    def speculator(self, speculator: Speculator | None) -> None:
+        self.parts.speculator = speculator
+
+    @property
+    def overlap(self) -> bool:
+        return self.parts.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.parts.overlap = on
 
     # -- requests -------------------------------------------------------------------------
 
@@ -239,14 +241,12 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> postprocess. With `overlap` on, a batch whose every seq samples
-        (no prompt left mid-chunk) starts the overlapped loop instead (`_overlap_step`).
-        Raises `RankDied` once a tensor-parallel worker has exited."""
+        """schedule -> run -> postprocess, in the step mode that takes the batch; a mode that
+        left a step in flight runs this one. Raises `RankDied` once a tensor-parallel worker
+        has exited."""
         start, self._kind = time.perf_counter(), None
         try:
-            if self.workers is None:
-                return self._step()
-            with self.workers.running():
+            with self.workers.running() if self.workers is not None else nullcontext():
                 return self._step()
         finally:
             if self._kind is not None:  # a step that ran a batch
@@ -256,229 +256,27 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         failed = [self.out.fail(req, why) for req, why in self._not_startable()]
-        if self._loop_ahead is not None:
-            self._kind = "speculative"
-            return failed + self._loop_step(self._loop_ahead)
-        if self._ahead is not None:
-            self._kind = "overlapped"
-            return failed + self._overlap_step(self._ahead)
-        batch = self.scheduler.schedule()
-        failed += [self.out.fail(req, why) for req, why in batch.failed]
-        if not batch:
-            if not failed:
-                self._wait_for_background(0.05)
-            return failed
-        looped = self._start_loop(batch) if self._loops(batch) else None
-        if looped is not None:
-            self._kind = "speculative"
-            return failed + self._loop_step(looped)
-        if self.speculator is not None and self.speculator.attach(
-            batch, self.out.tokens_left, self.scheduler.add_draft,
-            self.scheduler.max_num_batched_tokens, self.grammar,
-        ):
-            self._kind = "speculative"
-            return failed + self._speculate(batch)
-        if self.overlap and batch.all_sample:
-            self._kind = "overlapped"
-            first = self.runner.launch(batch)
-            self.runner.sample(first, first.rows)
-            return failed + self._overlap_step(first)
-        self._kind = "synchronous"
-        return failed + self.out.postprocess(batch, self.runner.run(batch))
+        mode, self._in_flight = self._in_flight, None  # if it raises, nothing stays in flight
+        if mode is None:
+            batch = self.scheduler.schedule()
+            failed += [self.out.fail(req, why) for req, why in batch.failed]
+            if not batch:
+                if not failed:
+                    self._wait_for_background(0.05)
+                return failed
+            mode, outputs = self._start(batch)
+        else:
+            outputs = mode.resume()
+        self._kind = mode.kind
+        self._in_flight = mode if mode.in_flight else None
+        return failed + outputs
 
-    def _overlap_step(self, prev: Step) -> list[RequestOutput]:
-        """One step of the overlapped loop. `prev` (step N) is in flight, its draw queued: queue
-        step N+1's decodes behind it, fed by N's tokens on the device; postprocess N while the
-        device computes; then queue N+1's draw (its grammar masks need N's tokens accepted).
-        N+1 may also prefill requests that start now. Ends (nothing left ahead) when no request
-        decodes on or starts, or when one must start in chunks."""
-        self._ahead = None  # until N+1 is queued: if this raises, nothing stays in flight
-        nxt = self._next_step(prev)
-        failed = [self.out.fail(req, why) for req, why in nxt.failed] if nxt else []
-        ahead = self.runner.launch(nxt, after=prev) if nxt else None
-        # N+1 decodes N's sampled token: no forced (jump-forward) tokens may follow it.
-        outputs = failed + self.out.postprocess(
-            prev.batch, self.runner.collect(prev), jump_forward=False)
-        if ahead is not None:
-            alive = [r for r in ahead.rows if not r.finished]
-            if alive:
-                self.runner.sample(ahead, alive)
-                self._ahead = ahead
-        return outputs
-
-    def _next_step(self, prev: Step) -> Batch | None:
-        """The step that follows `prev`: its requests that its tokens cannot end by length
-        decode on, and waiting requests whose whole prompt fits start beside them (their
-        prefill overlaps too). None when the regular schedule must decide."""
-        assert prev.drawn is not None, "an overlapped step's draw is queued at launch"
-        reqs = [r for r in prev.drawn.reqs if not r.finished and self.out.tokens_left(r) > 1]
-        spec = self.speculator
-        if spec is not None and spec.wants(len(reqs)) and any(map(spec.may_draft, reqs)):
-            return None  # the regular schedule attaches drafts
-        return self.scheduler.schedule_ahead(reqs)
-
-    def _speculate(self, batch: Batch) -> list[RequestOutput]:
-        """A step whose decodes carry drafts (engine/spec/speculative.py), run synchronously: every
-        position of a drafted decode is drawn; its accepted drafts and the token drawn after
-        them are appended, each through the stop checks, and its KV is kept up to them. The
-        seqs without drafts go through `postprocess`."""
-        step = self.runner.launch(batch)
-        seq_of = {s.request: s for s in batch.seqs}
-        offsets, prev = [], None
-        for req in step.rows:  # a drafted decode's rows are consecutive, one per drawn position
-            offsets.append(offsets[-1] + 1 if req is prev else seq_of[req].num_forced)
-            prev = req
-        self.runner.sample(step, step.rows, offsets=offsets)
-        plain: list[tuple[Request, SampleResult]] = []
-        drafted: dict[Request, list[SampleResult]] = {}
-        for req, result in self.runner.collect(step):
-            if seq_of[req].draft:
-                drafted.setdefault(req, []).append(result)
-            else:
-                plain.append((req, result))
-        outputs = self.out.postprocess(Batch([s for s in batch.seqs if not s.draft]), plain)
-        for req, results in drafted.items():
-            outputs.append(self._advance_drafted(seq_of[req], results))
-        return outputs
-
-    # -- the overlapped speculative loop (engine/spec/loop.py) ---------------------------
-
-    def _loops(self, batch: Batch) -> bool:
-        """Does this batch start the overlapped speculative loop? Decodes only (overlapped
-        steps, on one device), few enough to speculate, each free to loop, one still
-        drafting."""
-        spec = self.speculator
-        if spec is None or not self.overlap or self.workers is not None or not hasattr(
-                spec.drafter, "propose_on_device"):
-            return False
-        reqs = [s.request for s in batch.seqs]
-        return (all(s.num_new_tokens == 1 and s.samples for s in batch.seqs)
-                and spec.wants(len(reqs)) and all(map(spec.loops, reqs))
-                and any(map(spec.may_draft, reqs)))
-
-    def _start_loop(self, batch: Batch) -> LoopStep | None:
-        """The loop's first step, queued; None when a request has no room for it (the batch
-        then runs as the regular schedule would)."""
-        assert self.speculator is not None
-        # One run per adapter slot (SGMV segments), as `ModelRunner._layout` orders decodes.
-        reqs = sorted((s.request for s in batch.seqs), key=lambda r: r.lora_slot)
-        drafter = cast(DeviceDrafter, self.speculator.drafter)
-        self._loop = DraftLoop(reqs, self.speculator.k, drafter, self.runner.device)
-        first = self._loop_launch(reqs, in_flight=False)
-        if first is None:
-            self._loop = None
-        return first
-
-    def _loop_step(self, prev: LoopStep) -> list[RequestOutput]:
-        """One step of the loop: queue the next step of `prev`'s requests still running, then
-        read `prev`'s draws and advance its requests while the device computes. The loop ends
-        (nothing queued; the regular schedule decides next) when no request is left, a waiting
-        one could start, none still drafts, or one has no room."""
-        self._loop_ahead = None  # until the next step is queued
-        reqs = [r for r in prev.reqs if not r.finished]
-        nxt = self._loop_launch(reqs, in_flight=True) if self._loop_goes_on(reqs) else None
-        outputs = self._loop_collect(prev)
-        self._loop_ahead = nxt
-        if nxt is None:
-            self._loop = None
-        return outputs
-
-    def _loop_goes_on(self, reqs: list[Request]) -> bool:
-        if self.speculator is None:  # turned off (tests and benchmarks swap it)
-            return False
-        sched = self.scheduler
-        if len(sched.running) < sched.max_num_seqs and any(
-                map(sched.is_ready, sched.waiting)):
-            return False  # the regular schedule admits it
-        return any(map(self.speculator.may_draft, reqs))
-
-    def _loop_launch(self, reqs: list[Request], in_flight: bool) -> LoopStep | None:
-        """Reserve what the step's positions may reach and queue it; None when a request has
-        no room (pages, its row on the device, its page table)."""
-        loop = self._loop
-        assert loop is not None and self.speculator is not None
-        q = self.speculator.k + 1
-        # The device may be 1 + k tokens past the host (`in_flight`); the step computes the
-        # last token and k drafts after it.
-        extra = 2 * q - 1 if in_flight else q - 1
-        for req in reqs:
-            need = req.num_tokens + extra
-            if need > self.runner.max_context or not loop.room(req, in_flight):
-                return None
-            if not self.scheduler.reserve(req, need):
-                return None
-        return loop.launch(self.runner, reqs)
-
-    def _loop_collect(self, step: LoopStep) -> list[RequestOutput]:
-        """Read the step's draws and drafts; advance each request still running by its
-        accepted drafts and the token after them, through the stop checks."""
-        q = len(step.step.rows) // max(len(step.reqs), 1)
-        results = self.runner.collect(step.step)
-        drafts = step.drafts.tolist()
-        outputs = []
-        for i, req in enumerate(step.reqs):
-            if req.finished:  # ended while the step was in flight
-                continue
-            row = [r for _, r in results[i * q : (i + 1) * q]]
-            error = next((r.error for r in row if r.error is not None), None)
-            if error is not None:  # its row on the device went on with a wrong token
-                outputs.append(self.out.fail(req, error))
-                continue
-            seq = ScheduledSeq(req, req.num_tokens - 1, q)
-            *seq.draft, looked = drafts[i]
-            appended = 1 + sum(1 for _ in itertools.takewhile(
-                lambda pair: pair[0] == pair[1].token_id, zip(seq.draft, row[:-1], strict=True)))
-            before = req.num_tokens
-            outputs.append(self._advance_drafted(seq, row, looked))
-            if not req.finished and req.num_tokens - before != appended:
-                # The device appended what was accepted: the host must have too.
-                outputs.append(self.out.fail(req, "internal error: the speculative loop's "
-                                          "tokens diverged from the host's"))
-        return outputs
-
-    def _advance_drafted(self, seq: ScheduledSeq, results: list[SampleResult],
-                         looked: int | None = None) -> RequestOutput:
-        """Append a drafted decode's drawn tokens up to the first that differs from its draft
-        (or a row that could not be sampled), each through the stop checks. `results`: the
-        draws from its last forced draft on (`ScheduledSeq.num_drawn`); `looked`: as for
-        `Speculator.accepted`."""
-        req = seq.request
-        results = [SampleResult(t) for t in seq.draft[: seq.num_forced]] + results
-        good = list(itertools.takewhile(lambda r: r.error is None, results))
-        if not good:
-            return self.out.fail(req, results[0].error or "")
-        assert self.speculator is not None, "only a speculating engine drafts"
-        accepted = self.speculator.accepted(seq, [r.token_id for r in good], looked)
-        new, lps = [], []
-        try:
-            for i, r in enumerate(good[: accepted + 1]):
-                forced = i < seq.num_forced  # the grammar's token, whatever was drawn
-                token = seq.draft[i] if forced else r.token_id
-                req.token_ids.append(token)
-                new.append(token)
-                if r.logprob is not None and not forced:  # none forced with logprobs
-                    lps.append(r.logprob)
-                reason = self.out.check_stop(req, token)
-                if reason:
-                    self.out.finish(req, reason)
-                    break
-                # Past the forced drafts (the grammar forces those in a row), a token after
-                # which the grammar forces more ends the run, as jump-forward would: the next
-                # draft starts with the forced tokens, tokenized canonically.
-                if seq.num_forced - 1 <= i < accepted and self._forces_next(req):
-                    break
-        except Exception as e:
-            log.exception("request %s failed after sampling", req.request_id)
-            return self.out.fail(req, f"internal error: {type(e).__name__}: {e}")
-        # The KV holds the last known token and each draft equal to the token after it.
-        req.num_computed_tokens = seq.start + len(new)
-        return self.out.output(req, new, lps or None)
-
-    def _forces_next(self, req: Request) -> bool:
-        """Whether the request's grammar now forces tokens that jump-forward would append."""
-        if req.matcher is None or req.params.logprobs is not None:
-            return False
-        return bool(self.grammar.forced_tokens(req, self.out.tokens_left(req)))
+    def _start(self, batch: Batch) -> tuple[StepMode, list[RequestOutput]]:
+        for mode in self.modes:
+            outputs = mode.start(batch)
+            if outputs is not None:
+                return mode, outputs
+        raise AssertionError("the synchronous step takes every batch")
 
     def _wait_for_background(self, timeout: float) -> None:
         """Nothing could run: wait for an adapter read, a grammar compile or a KV read from

@@ -101,7 +101,8 @@ class OutputProcessor:
         return None
 
     def check_stop(self, req: Request, token: int, accepted: bool = False) -> str | None:
-        p = req.params
+        p, detok = req.params, req.output_state
+        assert detok is not None, "set at admission"
         if not accepted:
             req.error = GrammarStage.accept(req, token)
             if req.error:
@@ -111,9 +112,9 @@ class OutputProcessor:
             or (not p.ignore_eos and token in self.eos_token_ids)
             or GrammarStage.terminated(req)
             # As vLLM: a stop string ends the output only once more than min_tokens are out.
-            or req.output_state.add(token, req.num_output_tokens > p.min_tokens) is not None
+            or detok.add(token, req.num_output_tokens > p.min_tokens) is not None
         ):
-            req.error = GrammarStage.check(req, req.output_state.text)
+            req.error = GrammarStage.check(req, detok.text)
             return "error" if req.error else "stop"
         if self.tokens_left(req) <= 0:
             return "length"
@@ -156,11 +157,14 @@ class OutputProcessor:
         self.requests.pop(req.request_id, None)
 
     def output(self, req: Request, new_ids: list[int], logprobs) -> RequestOutput:
-        r = req.reasoning
+        r, detok = req.reasoning, req.output_state
+        assert detok is not None, "set at admission"
+        thought = detok.take_reasoning(req.finished) if isinstance(
+            detok, ReasoningDetokenizer) else ""
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
-            new_text=req.output_state.take(final=req.finished),
+            new_text=detok.take(final=req.finished),
             finished=req.finished,
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -168,7 +172,7 @@ class OutputProcessor:
             num_output_tokens=req.num_output_tokens,
             logprobs=logprobs,
             error=req.error,
-            new_reasoning_text=req.output_state.take_reasoning(req.finished) if r else "",
+            new_reasoning_text=thought,
             num_reasoning_tokens=r.num_tokens if r else 0,
             queue_time=None if req.scheduled_at is None else req.scheduled_at - req.added_at,
         )

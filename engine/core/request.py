@@ -6,12 +6,18 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from engine.core.detokenizer import IncrementalDetokenizer
+    from engine.core.reasoning import Reasoning, ReasoningDetokenizer
+    from grammar.backend import CompiledGrammar, Matcher
     from lora.manager import Lease
+    from sessions.radix_tree import RadixNode
 
 _arrival = itertools.count()
 
@@ -41,7 +47,7 @@ class Request:
     # The first `num_cached_pages` of `pages` belong to the prefix cache, locked through
     # `cache_node` (see engine/kv/prefix_cache.py); the rest belong to the request.
     num_cached_pages: int = 0
-    cache_node: Any = None
+    cache_node: RadixNode | None = None
     session_id: str | None = None  # a session's turn: its KV stays pinned after it finishes
     adapter_uid: int = 0  # which weights of `params.adapter` (set by the engine; 0: base)
     lora: Lease | None = None  # its hold on `params.adapter` (lora/manager.py); None: base
@@ -52,14 +58,15 @@ class Request:
     added_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # when it first entered the running batch
     num_preemptions: int = 0
-    # Per-request state owned by the output stage (detokenizer, logprobs); opaque here.
-    output_state: Any = None
-    # Structured output: the grammar compiling (a Future) until it is ready, then the matcher.
-    pending_grammar: Any = None
-    matcher: Any = None
-    # A reasoning model's phase (engine/core/reasoning.py `Reasoning`): None when it does not
-    # reason.
-    reasoning: Any = None
+    # Each stage's own state, set when the engine admits the request:
+    # - the output processor's detokenizer (engine/core/output_processor.py);
+    output_state: IncrementalDetokenizer | ReasoningDetokenizer | None = None
+    # - structured output (engine/sampling/structured.py): the grammar compiling until it is
+    #   ready, then its matcher;
+    pending_grammar: Future[CompiledGrammar] | None = None
+    matcher: Matcher | None = None
+    # - a reasoning model's phase (engine/core/reasoning.py); None when it does not reason.
+    reasoning: Reasoning | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

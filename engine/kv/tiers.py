@@ -233,6 +233,7 @@ class KVTiers:
 
     def keep(self, req: Request) -> None:
         """A session turn ended, its path pinned at `req.cache_node`: write it through."""
+        assert req.cache_node is not None, "a pinned path"
         self._write_through(req.cache_node)
         self._to_disk(req)
 

@@ -23,17 +23,11 @@ from engine.core.request import Request
 from engine.core.scheduler import Batch, ScheduledSeq
 from engine.kv.host import HostKVPool
 from engine.parallel.collectives import Forward, TPGroup
-from engine.runner.cuda_graphs import (
-    EXTEND_ROWS,
-    DecodeGraphs,
-    ExtendGraphs,
-    VerifyFed,
-    VerifyGraphs,
-    verify_forward,
-)
+from engine.runner.cuda_graphs import EXTEND_ROWS, DecodeGraphs, ExtendGraphs
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.piecewise_graphs import PiecewiseGraphs
 from engine.runner.step_inputs import StepInputs
+from engine.runner.verify_graphs import VerifyFed, VerifyGraphs, verify_forward
 from engine.sampling.sampler import Drawn, Sampler, SampleResult
 from engine.sampling.structured import GrammarStage
 from kernels.attention import AttentionMetadata
@@ -148,7 +142,7 @@ class ModelRunner:
     def launch(self, batch: Batch, after: Step | None = None) -> Step:
         """Queue the batch's forward. With `after`, a step still in flight whose draw is queued,
         the batch's decodes are of the tokens that step draws: they feed in on the device,
-        before the host has seen them (the overlapped schedule, `LLMEngine._overlap_step`);
+        before the host has seen them (the overlapped schedule, engine/core/steps.py `OverlapStep`);
         its prompts, if any, are known on the host."""
         seqs = sorted(batch.seqs, key=self._layout)
         inputs = StepInputs.build(seqs, self.page_size)

@@ -1,21 +1,22 @@
 """The overlapped speculative loop: steps whose decodes verify drafts, each queued on the device
 before the host has read what the step before it accepted.
 
-A synchronous speculative step (`LLMEngine._speculate`) drafts on the host from the tokens the
-host has, so the device idles while the host reads a step's tokens, appends them, drafts and
-launches the next one: at batch 16 on an H100, a sixth of the step. Here the sequences' tokens
-are kept on the device as well (`DraftLoop.tokens`): the drafter proposes there
-(`DeviceDrafter.propose_on_device`), the step's inputs are built there, and its draws are
+A synchronous speculative step (engine/spec/steps.py `SpeculativeStep`) drafts on the host from
+the tokens the host has, so the device idles while the host reads a step's tokens, appends them,
+drafts and launches the next one: at batch 16 on an H100, a sixth of the step. Here the
+sequences' tokens are kept on the device as well (`DraftLoop.tokens`): the drafter proposes
+there (`DeviceDrafter.propose_on_device`), the step's inputs are built there, and its draws are
 compared with its drafts there, which appends the accepted tokens and advances each sequence.
 The host reads a step's draws and drafts while the device computes the next step, and runs them
-through the stop checks exactly as after a synchronous step (`LLMEngine._advance_drafted`).
+through the stop checks exactly as after a synchronous step (engine/spec/steps.py
+`advance_drafted`).
 
 Every sequence verifies k drafts each step (a step's shape is fixed on the device); where the
 drafter has no match it proposes a guess, which costs nothing a memory-bound step would notice.
 What the host does not know when it queues a step it bounds: a sequence has at most 1 + k tokens
 more than the host has seen, so its pages are reserved for the positions that could reach.
 A request the host finds finished was computed one step too far; that row is dropped and the
-loop goes on without it. The engine decides when the loop ends (`LLMEngine._loop_step`).
+loop goes on without it. When the loop ends is `DraftLoopStep.resume`'s decision.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import torch
 
 from engine.core.request import Request
 from engine.core.scheduler import Batch
-from engine.runner.cuda_graphs import VerifyFed
 from engine.runner.model_runner import ModelRunner, Step, flat_tables
+from engine.runner.verify_graphs import VerifyFed
 from engine.spec.speculative import DeviceDrafter
 from kernels.spec_decode import accept, verify_inputs
 from kernels.upload import to_host, upload
