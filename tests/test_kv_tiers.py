@@ -35,7 +35,7 @@ def engine(tiered):
 def check_owners(engine) -> None:
     """Every used page of either pool belongs to the tree, once."""
     cache = engine.prefix_cache
-    host = [p for _, p in cache.tree.iter_host_pages()]
+    host = [p for _, p in cache.tree.host.iter_pages()]
     assert len(host) == len(set(host)) == cache.tiers.host_allocator.num_used
     device = [p for _, p in cache.tree.iter_pages()]
     assert len(device) == len(set(device)) == engine.allocator.num_used
@@ -53,7 +53,7 @@ def test_prefix_from_the_host_gives_the_same_tokens(engine, prompts):
     cold, _ = run(engine, prompt)
     cache = engine.prefix_cache
     assert cache.make_room(engine.allocator.num_pages)  # the whole pool: everything moves
-    assert cache.tree.cached_pages == 0 and cache.tree.host_pages >= len(prompt) // 16
+    assert cache.tree.cached_pages == 0 and cache.tree.host.cached_pages >= len(prompt) // 16
     before = cache.stats()
     warm, cached = run(engine, prompt)
     assert warm == cold
@@ -68,7 +68,7 @@ def test_more_sessions_than_the_device_holds(engine, prompts):
     """Three sessions whose KV cannot share the device pool: each next turn still starts from
     cached KV (from the host), with the tokens of a cold run."""
     first = [run(engine, p, session=f"s{k}") for k, p in enumerate(prompts)]
-    assert engine.prefix_cache.tree.host_pages > 0  # the pool overflowed into the host
+    assert engine.prefix_cache.tree.host.cached_pages > 0  # the pool overflowed into the host
     turns, replies = [], []
     for k, (p, (reply, _)) in enumerate(zip(prompts, first, strict=True)):
         turns.append(p + reply + engine.tokenizer.encode(" And the next row?"))
@@ -93,7 +93,7 @@ def test_host_pages_stay_in_their_namespace(engine, prompts):
     assert cache.stats().host_hit_tokens == host_hits
     assert run(engine, prompts[0], tenant="alpha")[1] > 0
     assert cache.stats().host_hit_tokens > host_hits
-    for ns, _ in engine.prefix_cache.tree.iter_host_pages():
+    for ns, _ in engine.prefix_cache.tree.host.iter_pages():
         assert ns[0] == "alpha"
 
 
@@ -104,8 +104,8 @@ def test_full_host_tier_evicts_its_lru(smollm2_dir, prompts):
                  host_kv_pages=24).engine
     cold = [run(engine, p)[0] for p in prompts]
     cache = engine.prefix_cache
-    assert cache.tree.host_pages <= 24
-    assert cache.tiers.host_allocator.num_used == cache.tree.host_pages
+    assert cache.tree.host.cached_pages <= 24
+    assert cache.tiers.host_allocator.num_used == cache.tree.host.cached_pages
     for p, tokens in zip(prompts, cold, strict=True):
         assert run(engine, p)[0] == tokens
         check_owners(engine)

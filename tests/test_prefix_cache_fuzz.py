@@ -207,14 +207,15 @@ class HostTierMachine(CacheMachine):
 
     @invariant()
     def host_pages_have_one_owner_and_their_kv(self) -> None:
-        tree = list(self.cache.tree.iter_host_pages())
+        tree = list(self.cache.tree.host.iter_pages())
         pages = [p for _, p in tree]
         assert len(pages) == len(set(pages)), "a host page has two owners"
         assert self.cache.tiers.host_allocator.num_used == len(pages), "a host page leaked"
         assert self.host is not None
         for ns, page in tree:
             assert self.host.host[page][0] == ns, "a host page kept under another namespace"
-        for root in self.cache.tree._roots.values():  # device nodes form a subtree at the root
+        # device nodes form a subtree at the root
+        for root in self.cache.tree._forest.roots.values():
             stack = [root]
             while stack:
                 node = stack.pop()

@@ -13,7 +13,7 @@ Pure Python. `PrefixCache` owns one `KVTiers` when the engine has a host tier, a
 - `keep(req)` when a session turn ends: its KV is written through to the host (so evicting it
   later copies nothing) and to disk.
 - `attached(req)` / `ended(req)`: a waiting request's load or read is taken over or dropped.
-Host pages are evicted LRU in turn when the host pool is full (`RadixTree.evict_host`).
+Host pages are evicted LRU in turn when the host pool is full (`RadixTree.host.evict`).
 """
 
 from __future__ import annotations
@@ -117,16 +117,16 @@ class KVTiers:
             return overlap or self.host.done(load.handle)
         if self.disk is not None and not self._from_disk(req):
             return False
-        nodes = self.tree.host_path(req.namespace, req.token_ids)
+        nodes = self.tree.host.path(req.namespace, req.token_ids)
         if not nodes or not self.make_room(_num_host_pages(nodes)):
             return True
-        nodes = self.tree.host_path(req.namespace, req.token_ids)  # make_room may move them
+        nodes = self.tree.host.path(req.namespace, req.token_ids)  # make_room may move them
         n = _num_host_pages(nodes)
         if not nodes or n > self.allocator.num_free:
             return True
         pages = sorted(self.allocator.allocate(n))  # runs of consecutive pages copy as one
         handle = self.host.load([p for x in nodes for p in x.host_pages], pages, overlap)
-        self.tree.promote(nodes, pages)
+        self.tree.host.promote(nodes, pages)
         self.tree.lock(nodes[-1])
         self._loading[req] = _Load(nodes[-1], n, handle)
         self.loaded_pages += n
@@ -148,7 +148,7 @@ class KVTiers:
             good = self._read_result(read)
             if good:
                 given = read.host_pages[:good]
-                back = self.tree.insert_host(req.namespace, req.token_ids, read.start, given)
+                back = self.tree.host.insert(req.namespace, req.token_ids, read.start, given)
                 self.host_allocator.free(back)
                 self.disk_hit_tokens += (good - len(back)) * self.page_size
             return True
@@ -206,7 +206,7 @@ class KVTiers:
         disk = self.disk
         return dict(
             host_hit_tokens=self.host_hit_tokens,
-            host_pages=self.tree.host_pages,
+            host_pages=self.tree.host.cached_pages,
             host_pages_total=self.host_allocator.num_pages,
             offloaded_pages=self.tree.offloaded_pages,
             loaded_pages=self.loaded_pages,
@@ -269,7 +269,7 @@ class KVTiers:
             if host_pages is None:
                 return
             self.host.offload(n.pages, host_pages)
-            self.tree.set_host_copy(n, host_pages)
+            self.tree.host.set_copy(n, host_pages)
 
     def offload(self, node: RadixNode) -> list[int] | None:
         """`RadixTree.evict`'s hook: copy `node`'s device KV to new host pages."""
@@ -283,7 +283,7 @@ class KVTiers:
         when they cannot be had."""
         short = n - self.host_allocator.num_free
         if short > 0:
-            self.host_allocator.free(self.tree.evict_host(short, keep))
+            self.host_allocator.free(self.tree.host.evict(short, keep))
         if not self.host_allocator.can_allocate(n):
             return None
         return self.host_allocator.allocate(n)
