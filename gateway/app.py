@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI routes, health, readiness and metrics.
 
-One request, end to end: auth (tenant) -> body (size, JSON, schema) -> model -> counts
-(gateway/access/bounds.py) -> admission (queue bound, tenant limits) -> session -> plan, in a worker
+One request, end to end: auth (tenant) -> body (size, JSON, counts (gateway/access/bounds.py),
+schema) -> model -> admission (queue bound, tenant limits) -> session -> plan, in a worker
 thread (gateway/openai/params.py: bounds, the constraint parsed once, template, prompt ids +
 SamplingParams per choice, validated by the engine) -> grammar compile -> engine -> JSON body or
 SSE stream. Nothing that grows with the request runs on the event loop, and none of it before
@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.ipc.async_engine import AsyncEngine
 from engine.ipc.core_client import EngineProcess
-from gateway.access.bounds import check_counts
 from gateway.access.connections import connection_drop
 from gateway.adapters.routes import adapter_model_card, adapter_routes, ensure_adapter, model_cards
 from gateway.body import read_body
@@ -133,7 +132,6 @@ def create_app(config: ServeConfig, engine: AsyncEngine | EngineProcess | None =
     ) -> Response:
         await ensure_adapter(rt, tenant, body.model)
         adapter = resolve_adapter(body.model, config.model_name, tenant, rt.engine.adapters)
-        check_counts(body)
         tok, facts = rt.require_ready()
         # Admission comes before anything slow (planning, a grammar compile): overload is a
         # 429 at once, and a tenant over its limits costs no planning.

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.access.auth import Authenticate
+from gateway.access.bounds import check_history
 from gateway.access.connections import connection_drop
 from gateway.access.quota import REPLY_BYTES_PER_TOKEN, Reservation, json_size, messages_size
 from gateway.adapters.routes import ensure_adapter
@@ -165,7 +166,9 @@ def _plan(body: ResponsesRequest, chain: Chain, tok: GatewayTokenizer, facts: En
     origins: list[int] = []
     new = input_messages(body.input, origins=origins)
     try:
-        plan = plan_chat(to_chat(body, [*chain.history, *new]), tok, facts, adapter)
+        chat = to_chat(body, [*chain.history, *new])
+        check_history(len(chat.messages))  # `input` was counted as it was read
+        plan = plan_chat(chat, tok, facts, adapter)
     except APIError as e:
         e.param = response_param(e.param, len(chain.history), origins)
         raise
