@@ -1,11 +1,13 @@
 """The FastAPI app: OpenAI routes, health, readiness and metrics.
 
-One request, end to end: auth (tenant) -> body (size, JSON, schema) -> model -> counts
-(gateway/access/bounds.py) -> admission (queue bound, tenant limits) -> session -> plan, in a worker
+One request, end to end: auth (tenant) -> body (size, JSON, counts (gateway/access/bounds.py),
+schema) -> model -> admission (queue bound, tenant limits) -> session -> plan, in a worker
 thread (gateway/openai/params.py: bounds, the constraint parsed once, template, prompt ids +
-SamplingParams per choice, validated by the engine) -> grammar compile -> engine -> JSON body or
-SSE stream. Nothing that grows with the request runs on the event loop, and none of it before
-the tenant is admitted.
+SamplingParams per choice, validated by the engine) -> grammar compile -> a session turn's room
+in the storage ledger -> engine -> JSON body or SSE stream. From model to engine is the path
+the Responses API takes too (gateway/admission.py), `ChatFront` this module's side of it.
+Nothing that grows with the request runs on the event loop, and none of it before the tenant
+is admitted.
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.ipc.async_engine import AsyncEngine
 from engine.ipc.core_client import EngineProcess
-from gateway.access.bounds import check_counts
-from gateway.access.connections import connection_drop
 from gateway.adapters.routes import adapter_model_card, adapter_routes, ensure_adapter, model_cards
+from gateway.admission import admit
 from gateway.body import read_body
 from gateway.config import ServeConfig
-from gateway.errors import bad_request, generation_failed, install_error_handlers
+from gateway.errors import generation_failed, install_error_handlers
 from gateway.metrics import RequestCounter
 from gateway.openai.bodies import ChatFormat, CompletionFormat
 from gateway.openai.generation import Generation
@@ -42,7 +43,6 @@ from gateway.responses.routes import response_routes
 from gateway.runtime import Runtime
 from gateway.sessions.routes import add_session_routes
 from gateway.sessions.turns import CreateSession, ForkSession, SessionTurn, resolve_session
-from grammar.spec import ConstraintSpec, GrammarError
 
 
 def create_app(config: ServeConfig, engine: AsyncEngine | EngineProcess | None = None) -> FastAPI:
@@ -131,34 +131,10 @@ def create_app(config: ServeConfig, engine: AsyncEngine | EngineProcess | None =
         body: ChatCompletionRequest | CompletionRequest,
         prefix: str,
     ) -> Response:
-        await ensure_adapter(rt, tenant, body.model)
-        adapter = resolve_adapter(body.model, config.model_name, tenant, rt.engine.adapters)
-        check_counts(body)
-        tok, facts = rt.require_ready()
-        # Admission comes before anything slow (planning, a grammar compile): overload is a
-        # 429 at once, and a tenant over its limits costs no planning.
-        turn: SessionTurn | None = None
-        with rt.seats.reserve(_num_sequences(body)):
-            ticket = await rt.limiter.admit(tenant)
-            try:
-                turn = await resolve_session(body, tenant, rt.sessions)
-                plan = await asyncio.to_thread(_plan, body, turn, tok, facts, adapter)
-                if plan.constraint is not None:  # a schema no backend compiles is a 400 now
-                    await _compile(rt, plan.constraint)
-                if turn:  # over quota, or the store full or down: refused before generation
-                    await turn.reservation(rt.ledger, plan.jobs[0].params.max_tokens).take(
-                        rt.storage_quota(tenant))
-                gen = Generation(
-                    rt.engine, f"{prefix}-{uuid.uuid4().hex[:24]}", plan.jobs, tenant, ticket,
-                    rt.metrics, turn.session.id if turn else None,
-                    config.max_stream_buffer_bytes, connection_drop(request.scope),
-                )
-                gen.submit()
-            except BaseException:  # also a client gone while planning or compiling
-                ticket.release()
-                if turn:
-                    await turn.release()
-                raise
+        front = ChatFront(rt, tenant, body)
+        gen = await admit(rt, request, tenant, body.model, _num_sequences(body),
+                          f"{prefix}-{uuid.uuid4().hex[:24]}", front)
+        tok, turn = front.tok, front.turn
         fmt: ChatFormat | CompletionFormat
         if isinstance(body, ChatCompletionRequest):
             fmt = ChatFormat(gen, config.model_name, tok, body.include_usage)
@@ -182,6 +158,38 @@ def create_app(config: ServeConfig, engine: AsyncEngine | EngineProcess | None =
     return app
 
 
+class ChatFront:
+    """Chat and text completions' side of admission (gateway/admission.py): a session turn's
+    history (gateway/sessions/turns.py) and the room its commit will store."""
+
+    tok: GatewayTokenizer  # set by `prepare`: the plan's, which reads the output too
+
+    def __init__(self, rt: Runtime, tenant: str,
+                 body: ChatCompletionRequest | CompletionRequest):
+        self.rt, self.tenant, self.body = rt, tenant, body
+        self.turn: SessionTurn | None = None
+
+    async def prepare(self, tok: GatewayTokenizer, facts: EngineFacts,
+                      adapter: str | None) -> Plan:
+        self.tok = tok
+        self.turn = await resolve_session(self.body, self.tenant, self.rt.sessions)
+        return await asyncio.to_thread(_plan, self.body, self.turn, tok, facts, adapter)
+
+    def grammar_param(self, param: str | None) -> str | None:
+        return param or "response_format"
+
+    async def reserve(self, plan: Plan) -> str | None:
+        if self.turn is None:
+            return None
+        await self.turn.reservation(self.rt.ledger, plan.jobs[0].params.max_tokens).take(
+            self.rt.storage_quota(self.tenant))
+        return self.turn.session.id
+
+    async def release(self) -> None:
+        if self.turn:
+            await self.turn.release()
+
+
 def _plan(
     body: ChatCompletionRequest | CompletionRequest,
     turn: SessionTurn | None,
@@ -197,13 +205,6 @@ def _plan(
 
 def _num_sequences(body: ChatCompletionRequest | CompletionRequest) -> int:
     return body.n * (len(body.prompts) if isinstance(body, CompletionRequest) else 1)
-
-
-async def _compile(rt: Runtime, constraint: ConstraintSpec) -> None:
-    try:
-        await rt.compile_grammar(constraint)
-    except GrammarError as e:
-        raise bad_request(e.message, e.param or "response_format") from None
 
 
 async def _collect(

@@ -44,6 +44,9 @@ def _parse(schema: type[Body], raw: bytes) -> Body:
         check_counts(pydantic_core.from_json(raw))
     except ValueError as e:  # the same parser as pydantic's, with the same refusals
         raise invalid_json(str(e)) from None
+    # Validated from the bytes, not from the parsed object: strict validation of Python objects
+    # words its refusals otherwise ("a valid dictionary", "a valid list" for JSON's "an
+    # object", "an array").
     try:
         return schema.model_validate_json(raw)
     except ValidationError as e:

@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.sampling.params import InvalidRequestError, SamplingParams
-from gateway.access.bounds import MAX_STOP_TOKEN_IDS, check_counts
+from gateway.access.bounds import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, check_counts
 from gateway.errors import MAX_MESSAGE_CHARS, MAX_PROBLEMS, APIError, bad_request, from_pydantic
 from gateway.openai.schemas import ChatCompletionRequest
 from gateway.responses.items import ResponsesRequest
@@ -63,6 +63,14 @@ def test_stop_token_ids_are_counted_before_validation() -> None:
     with pytest.raises(APIError) as e:
         check_counts({"stop_token_ids": [0] * (MAX_STOP_TOKEN_IDS + 1)})
     assert (e.value.param, e.value.code) == ("stop_token_ids", "array_above_max_length")
+
+
+def test_responses_input_is_counted_before_validation() -> None:
+    check_counts({"input": [{}] * MAX_MESSAGES})
+    check_counts({"input": "x" * (MAX_MESSAGES + 1)})  # a string: one message
+    with pytest.raises(APIError) as e:
+        check_counts({"input": [{}] * (MAX_MESSAGES + 1)})
+    assert (e.value.param, e.value.code) == ("input", "array_above_max_length")
 
 
 def test_text_format_must_be_an_object() -> None:
@@ -185,7 +193,7 @@ def test_stop_token_ids_at_the_vocabulary_edge(gateway_server: GatewayServer,
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x",
                                             "tool_calls": [1] * 100_000}]}),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): "x" for i in range(100_000)}}),
-    ("/v1/responses", {"input": [1] * 100_000}),
+    ("/v1/responses", {"input": "hi", "metadata": {str(i): 1 for i in range(100_000)}}),
 ], ids=["chat", "completions", "responses"])
 def test_an_error_body_for_100k_bad_entries_is_small(gateway_server: GatewayServer, path: str,
                                                      body: dict) -> None:

@@ -23,8 +23,12 @@ from openai import OpenAI
 from test_sessions import redis_server, redis_url  # noqa: F401 - module-scoped fixtures
 
 from gateway import redis_store
+from gateway.access.bounds import MAX_MESSAGES, MAX_TOOLS
 from gateway.access.quota import MemoryLedger
+from gateway.errors import APIError
 from gateway.responses.chain import Chain, Stores, commit
+from gateway.responses.items import ResponsesRequest
+from gateway.responses.routes import _plan
 from gateway.responses.store import MemoryRecords, RedisRecords
 from gateway.sessions.store import MemoryStore, RedisStore, Session
 
@@ -334,6 +338,29 @@ def test_a_bad_item_after_a_chain_is_named_by_its_input_index(server: Server,
                       {"type": "function_call_output", "call_id": "call_x", "output": "1"}]}
     err = _error(server.http("POST", "/v1/responses", json=body), 400)
     assert err["param"] == "input[1].call_id", err
+
+
+def test_too_many_input_items_or_tools_are_refused_as_the_body_is_read(server: Server) -> None:
+    """`input` and `tools` are counted on the body's JSON, before it is validated."""
+    hi = {"role": "user", "content": "hi"}
+    for body, param, limit in [({"input": [hi] * (MAX_MESSAGES + 1)}, "input", MAX_MESSAGES),
+                               ({"input": "x", "tools": [WEATHER] * (MAX_TOOLS + 1)}, "tools",
+                                MAX_TOOLS)]:
+        t0 = time.monotonic()
+        err = _error(server.http("POST", "/v1/responses", json={"model": MODEL, **body}), 400)
+        assert (err["param"], err["code"]) == (param, "array_above_max_length"), err
+        assert str(limit) in err["message"] and time.monotonic() - t0 < 5
+
+
+def test_a_chain_counts_its_history_with_the_input() -> None:
+    """The chain's stored messages come before this turn's: together under the same bound as
+    a request's own, the refusal naming `input`. (Refused before the tokenizer is needed.)"""
+    history = Session("alpha", MODEL, [{"role": "user", "content": "a"}] * MAX_MESSAGES)
+    body = ResponsesRequest.model_validate({"model": MODEL, "input": "x"})
+    with pytest.raises(APIError) as e:
+        _plan(body, Chain(history, MAX_MESSAGES, True), None, None, None)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "input",
+                                                             "array_above_max_length")
 
 
 # -- the OpenAI Agents SDK --------------------------------------------------------------

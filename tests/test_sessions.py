@@ -21,6 +21,7 @@ from conftest import API_KEYS, ROOT, SERVE_FLAGS, THREADS, _wait_for_banner
 from openai import OpenAI
 
 from gateway import redis_store
+from gateway.access.bounds import MAX_MESSAGES
 from gateway.errors import APIError
 from gateway.openai.schemas import ChatCompletionRequest
 from gateway.redis_store import StoreUnavailable
@@ -135,6 +136,29 @@ def test_resolve_session_refuses_what_a_turn_cannot_be() -> None:
             with pytest.raises(APIError) as e:
                 await resolve_session(body, tenant, store)
             assert (e.value.status, e.value.param) == (status, param)
+
+    asyncio.run(main())
+
+
+def test_a_turn_counts_the_stored_history_with_its_messages() -> None:
+    """A request's own messages are counted as its body is read; a turn's prompt is the
+    stored history too, under the same bound."""
+    async def main() -> None:
+        store = MemoryStore()
+        full = Session("alpha", "m1", [SYSTEM] * (MAX_MESSAGES - 1))
+        await store.create(full)
+        body = ChatCompletionRequest.model_validate_json(json.dumps({
+            "model": "m1", "messages": [{"role": "user", "content": "x"}],
+            "session_id": full.id}))
+        turn = await resolve_session(body, "alpha", store)
+        assert turn is not None and len(turn.prompt_body(body).messages) == MAX_MESSAGES
+        await store.append(full, [{"role": "user", "content": "y"}])
+        turn = await resolve_session(body, "alpha", store)
+        assert turn is not None
+        with pytest.raises(APIError) as e:
+            turn.prompt_body(body)
+        assert (e.value.status, e.value.param, e.value.code) == (
+            400, "messages", "array_above_max_length")
 
     asyncio.run(main())
 

@@ -3,9 +3,11 @@
 Rendering the chat template, tokenising and checking JSON schemas cost time in proportion to
 what a request carries, and that work is pure Python (it holds the GIL even off the event
 loop). These bounds keep one request's share small; each refusal is a 400 naming the limit and
-the parameter. The prompt's length in tokens stays the engine's check (`max_model_len`); a
-prompt with more than `PROMPT_CHARS_PER_TOKEN` characters per token of the context cannot fit
-in practice and is refused before it is tokenised.
+the parameter. The counts are checked once, on the body's parsed JSON before it is validated
+(gateway/body.py); a session's or a response chain's history, put before the request's own
+messages, is counted where it is (`check_history`). The prompt's length in tokens stays the
+engine's check (`max_model_len`); a prompt with more than `PROMPT_CHARS_PER_TOKEN` characters
+per token of the context cannot fit in practice and is refused before it is tokenised.
 """
 
 from __future__ import annotations
@@ -25,14 +27,20 @@ PROMPT_CHARS_PER_TOKEN = 32  # English averages about 4; code and whitespace run
 
 
 def check_counts(body: object) -> None:
-    """How many tools, messages and stop token ids, without reading them (cheap). `body`: a
-    request, or its parsed JSON before validation. (Each stop token id's range is the
-    engine's check, which knows the vocabulary.)"""
+    """How many tools, messages (a Responses request's `input` items) and stop token ids,
+    without reading them (cheap). `body`: a request, or its parsed JSON before validation.
+    (Each stop token id's range is the engine's check, which knows the vocabulary.)"""
     for param, limit in (("tools", MAX_TOOLS), ("messages", MAX_MESSAGES),
-                         ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
+                         ("input", MAX_MESSAGES), ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
         items = body.get(param) if isinstance(body, dict) else getattr(body, param, None)
         if isinstance(items, list):
             _at_most(len(items), limit, param)
+
+
+def check_history(messages: int) -> None:
+    """The bound on `messages` for a prompt of `messages` messages: a session's or a response
+    chain's history and the request's own (which `check_counts` counted as it was read)."""
+    _at_most(messages, MAX_MESSAGES, "messages")
 
 
 def check_schemas(body: ChatCompletionRequest | CompletionRequest) -> None:

@@ -1,7 +1,8 @@
 """OpenAI request -> `Plan`: the request parsed once, at the edge, into what the engine runs.
 
 Planning is one pass over the body, in a worker thread since its work grows with the request:
-the bounds (gateway/access/bounds.py), the constraint (`tools`, or `response_format` /
+the bounds (gateway/access/bounds.py: the schemas' sizes and the prompt's length; the counts
+were checked as the body was read), the constraint (`tools`, or `response_format` /
 `structured_outputs`, parsed into one `ConstraintSpec`), the prompt (the chat template, with
 the tools for chat; or the completion prompts, tokenized), then one `SamplingParams` per choice
 carrying that spec. The engine never sees the raw OpenAI dicts. Before planning, the gateway
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from engine.protocols import AdapterRegistry
 from engine.sampling.params import InvalidRequestError, SamplingParams
-from gateway.access.bounds import chat_chars, check_counts, check_prompt_chars, check_schemas
+from gateway.access.bounds import chat_chars, check_prompt_chars, check_schemas
 from gateway.errors import bad_request, clip, model_not_found
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.openai.tokenizer import GatewayTokenizer
@@ -109,9 +110,9 @@ def plan_chat(
     body: ChatCompletionRequest, tok: GatewayTokenizer, facts: EngineFacts, adapter: str | None
 ) -> Plan:
     """The plan of a chat request (its whole history for a session turn). It checks the
-    request's bounds (gateway/access/bounds.py) before the work that grows with it (schemas,
-    template, tokens)."""
-    check_counts(body)
+    sizes of the request's schemas and prompt (gateway/access/bounds.py) before the work that
+    grows with them (schemas, template, tokens); the counts are the caller's (`check_counts`
+    as the body is read, `check_history` for a history put before it)."""
     check_schemas(body)
     check_prompt_chars(chat_chars(body), facts.max_model_len, "messages")
     fmt = tok.call_format

@@ -3,13 +3,13 @@
 One request: auth -> body (ResponsesRequest) -> model -> admission (queue bound, tenant
 limits) -> chain (`previous_response_id` / `conversation`: the history, gateway/responses/chain.py)
 -> plan, in a worker thread (items -> chat messages -> gateway/openai/params.py's `plan_chat`:
-tools,
-`text.format`, template, tokens) -> grammar compile -> the room it will store, reserved in the
-tenant's storage ledger (403 over quota, 503 with the store full or down: before generation)
--> engine -> output items
-(gateway/responses/output.py) -> the turn written to its session and the response stored (when
-`store`) -> the body, or the stream's `response.completed`. A response is acknowledged only
-once stored; one that failed is never stored.
+tools, `text.format`, template, tokens) -> grammar compile -> the room it will store, reserved
+in the tenant's storage ledger (403 over quota, 503 with the store full or down: before
+generation) -> engine -> output items (gateway/responses/output.py) -> the turn written to its
+session and the response stored (when `store`) -> the body, or the stream's
+`response.completed`. From model to engine is chat completions' path (gateway/admission.py),
+`ResponseFront` this module's side of it. A response is acknowledged only once stored; one
+that failed is never stored.
 
 Each response's id is sent as the `x-switchboard-response-id` header too, before the body, so
 the router (gateway/router/app.py) can send the next turn to the replica holding its KV.
@@ -26,13 +26,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.access.auth import Authenticate
-from gateway.access.connections import connection_drop
+from gateway.access.bounds import check_history
 from gateway.access.quota import REPLY_BYTES_PER_TOKEN, Reservation, json_size, messages_size
-from gateway.adapters.routes import ensure_adapter
+from gateway.admission import admit
 from gateway.body import read_body
 from gateway.errors import APIError, bad_request, generation_failed, store_unavailable
 from gateway.openai.generation import Generation
-from gateway.openai.params import EngineFacts, Plan, plan_chat, resolve_adapter
+from gateway.openai.params import EngineFacts, Plan, plan_chat
 from gateway.openai.sse import SSEResponse
 from gateway.openai.tokenizer import GatewayTokenizer
 from gateway.redis_store import StoreUnavailable
@@ -51,7 +51,6 @@ from gateway.responses.items import (
 from gateway.responses.output import OutputBuilder, response_body, response_usage
 from gateway.runtime import Runtime
 from gateway.sessions.store import Message
-from grammar.spec import GrammarError
 
 INCOMPLETE = {"length": "max_output_tokens"}
 
@@ -63,39 +62,10 @@ def response_routes(rt: Runtime, stores: Stores, authenticate: Authenticate) -> 
     @router.post("/v1/responses")
     async def create_response(request: Request, tenant: str = Depends(authenticate)) -> Response:
         body = await read_body(request, ResponsesRequest, limit)
-        await ensure_adapter(rt, tenant, body.model)
-        adapter = resolve_adapter(body.model, rt.config.model_name, tenant, rt.engine.adapters)
-        tok, facts = rt.require_ready()
         response_id = new_id("resp")
-        room: Reservation | None = None
-        with rt.seats.reserve(1):
-            ticket = await rt.limiter.admit(tenant)
-            try:
-                chain = await resolve_chain(stores, tenant, body)
-                new, plan, nbytes = await asyncio.to_thread(_plan, body, chain, tok, facts,
-                                                            adapter)
-                if plan.constraint is not None:
-                    try:
-                        await rt.compile_grammar(plan.constraint)
-                    except GrammarError as e:
-                        raise bad_request(e.message,
-                                          response_param(e.param or "text.format")) from None
-                pins = body.store or chain.conversation
-                if pins:
-                    nbytes += 2 * REPLY_BYTES_PER_TOKEN * plan.jobs[0].params.max_tokens
-                    entry = f"s:{chain.session.id}" if chain.conversation else f"sp:{response_id}"
-                    room = await Reservation(stores.ledger, tenant, entry, nbytes,
-                                             stores.ttl_s).take(rt.storage_quota(tenant))
-                gen = Generation(rt.engine, response_id, plan.jobs, tenant, ticket, rt.metrics,
-                                 chain.session.id if pins else None,
-                                 rt.config.max_stream_buffer_bytes, connection_drop(request.scope))
-                gen.submit()
-            except BaseException:
-                ticket.release()
-                if room is not None:
-                    await room.release()
-                raise
-        turn = Turn(stores, body, chain, new, gen, tenant, room)
+        front = ResponseFront(rt, stores, tenant, body, response_id)
+        gen = await admit(rt, request, tenant, body.model, 1, response_id, front)
+        turn = Turn(stores, body, front.chain, front.new, gen, tenant, front.room)
         headers = {RESPONSE_ID_HEADER: response_id}
         if body.stream:
             sse = SSEResponse(turn.events(), on_close=gen.close)
@@ -156,6 +126,46 @@ async def _record(stores: Stores, tenant: str, response_id: str) -> dict[str, ob
     return record
 
 
+class ResponseFront:
+    """The Responses API's side of admission (gateway/admission.py): the chain the response
+    continues, and the room its commit will store (when `store`, or in a conversation)."""
+
+    # Set by `prepare`: the chain, and this turn's input as messages.
+    chain: Chain
+    new: list[Message]
+
+    def __init__(self, rt: Runtime, stores: Stores, tenant: str, body: ResponsesRequest,
+                 response_id: str):
+        self.rt, self.stores, self.tenant, self.body = rt, stores, tenant, body
+        self.response_id = response_id
+        self.nbytes = 0  # what the commit stores besides the reply (`_plan`'s)
+        self.room: Reservation | None = None
+
+    async def prepare(self, tok: GatewayTokenizer, facts: EngineFacts,
+                      adapter: str | None) -> Plan:
+        self.chain = await resolve_chain(self.stores, self.tenant, self.body)
+        self.new, plan, self.nbytes = await asyncio.to_thread(_plan, self.body, self.chain, tok,
+                                                              facts, adapter)
+        return plan
+
+    def grammar_param(self, param: str | None) -> str | None:
+        return response_param(param or "text.format")
+
+    async def reserve(self, plan: Plan) -> str | None:
+        if not (self.body.store or self.chain.conversation):  # the commit writes nothing
+            return None
+        nbytes = self.nbytes + 2 * REPLY_BYTES_PER_TOKEN * plan.jobs[0].params.max_tokens
+        entry = (f"s:{self.chain.session.id}" if self.chain.conversation
+                 else f"sp:{self.response_id}")
+        self.room = await Reservation(self.stores.ledger, self.tenant, entry, nbytes,
+                                      self.stores.ttl_s).take(self.rt.storage_quota(self.tenant))
+        return self.chain.session.id
+
+    async def release(self) -> None:
+        if self.room is not None:
+            await self.room.release()
+
+
 def _plan(body: ResponsesRequest, chain: Chain, tok: GatewayTokenizer, facts: EngineFacts,
           adapter: str | None) -> tuple[list[Message], Plan, int]:
     """(this turn's input as messages, its plan, the bytes its commit stores besides the
@@ -165,7 +175,9 @@ def _plan(body: ResponsesRequest, chain: Chain, tok: GatewayTokenizer, facts: En
     origins: list[int] = []
     new = input_messages(body.input, origins=origins)
     try:
-        plan = plan_chat(to_chat(body, [*chain.history, *new]), tok, facts, adapter)
+        chat = to_chat(body, [*chain.history, *new])
+        check_history(len(chat.messages))  # `input` was counted as it was read
+        plan = plan_chat(chat, tok, facts, adapter)
     except APIError as e:
         e.param = response_param(e.param, len(chain.history), origins)
         raise

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.access.bounds import check_history
 from gateway.access.quota import REPLY_BYTES_PER_TOKEN, Ledger, Reservation, messages_size
 from gateway.config import MAX_TTL_S
 from gateway.errors import APIError, bad_request, clip, store_unavailable
@@ -97,8 +98,10 @@ class SessionTurn:
         return self.room
 
     def prompt_body(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
-        """`body` with the whole history (stored + new messages) as its messages."""
+        """`body` with the whole history (stored + new messages) as its messages: a 400 when
+        they are more than a request's messages may be."""
         history = [ChatMessage(**m) for m in self.session.messages + self.new_messages]
+        check_history(len(history))
         return body.model_copy(update={"messages": history})
 
     async def commit(self, gen: Generation, fmt: ChatFormat) -> None:
