@@ -134,10 +134,10 @@ class SamplingParams:
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
                   max_model_len: int) -> None:
-    """Raise `InvalidRequestError` for a request that must not enter the batch: its
-    parameters, its prompt's ids against the vocabulary, its length against the context.
-    Pure: the gateway runs it on the facts the engine core sent at its handshake."""
-    params.validate()
+    """Raise `InvalidRequestError` for a request that must not enter the batch: its prompt's
+    ids and stop token ids against the vocabulary, its length against the context. (Each knob
+    was checked once, when `params` was made.) Pure: the gateway runs it on the facts the
+    engine core sent at its handshake."""
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", "prompt")
