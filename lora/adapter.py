@@ -13,15 +13,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from lora.safetensors_header import read_header, read_tensors
+from lora.shape import BaseShape
 from lora.validate import ModuleTensors, check_config, check_tensors
-
-if TYPE_CHECKING:
-    from engine.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -143,7 +140,7 @@ def max_row_sum(t: torch.Tensor) -> float:
 
 def load_adapter(
     path: str | Path,
-    base: ModelConfig,
+    base: BaseShape,
     *,
     max_rank: int = 64,
     name: str | None = None,

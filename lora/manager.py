@@ -39,17 +39,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote
 
 import torch
 
 from lora.adapter import AdapterError, LoraAdapter, load_adapter
 from lora.info import AdapterExists, AdapterInfo, AdapterStats
+from lora.shape import BaseShape
 from lora.slots import LoraSlots
-
-if TYPE_CHECKING:
-    from engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +97,7 @@ class AdapterManager:
 
     def __init__(
         self,
-        base: ModelConfig,
+        base: BaseShape,
         slots: LoraSlots | None,
         max_cpu_loras: int,
         store_dir: Path | None = None,

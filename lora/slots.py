@@ -16,19 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from lora.adapter import LoraAdapter
 from lora.batch import LoraBatchInfo, lora_shrink_expand, projection_expand, projection_shrink
+from lora.shape import BaseShape
 from lora.validate import projection_dims
 
 # (projection, a [r, in], b [out, r]) -> this rank's (a, b)
 Shard = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-if TYPE_CHECKING:
-    from engine.config import ModelConfig
 
 FUSED: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -52,7 +50,7 @@ class LoraSlots:
 
     def __init__(
         self,
-        base: ModelConfig,
+        base: BaseShape,
         num_slots: int,
         max_rank: int,
         dtype: torch.dtype = torch.float32,

@@ -10,13 +10,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lora.patterns import check_patterns, pattern_key
 from lora.safetensors_header import FLOAT_DTYPES, TensorEntry
-
-if TYPE_CHECKING:
-    from engine.config import ModelConfig
+from lora.shape import BaseShape
 
 # The projections LoRA is served on, and the block each lives in.
 PROJECTIONS = {
@@ -53,7 +51,7 @@ _KEY = re.compile(
 _MODULE_OF_KEY = re.compile(r"([A-Za-z_][\w]*)\.lora_(?:embedding_)?[AB]\b")
 
 
-def projection_dims(base: ModelConfig) -> dict[str, tuple[int, int]]:
+def projection_dims(base: BaseShape) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection of the base model."""
     h, i = base.hidden_size, base.intermediate_size
     q, kv = base.num_heads * base.head_dim, base.num_kv_heads * base.head_dim
@@ -100,7 +98,7 @@ def _scaling(alpha: float, r: int, use_rslora: bool) -> float:
 
 
 def check_config(
-    cfg: dict[str, Any], base: ModelConfig, max_rank: int
+    cfg: dict[str, Any], base: BaseShape, max_rank: int
 ) -> tuple[LoraSettings | None, list[str]]:
     """Validate `adapter_config.json`. Returns the settings (None if unusable) and problems."""
     where = "adapter_config.json"
@@ -221,7 +219,7 @@ class ModuleTensors:
 def check_tensors(
     entries: dict[str, TensorEntry],
     settings: LoraSettings | None,
-    base: ModelConfig,
+    base: BaseShape,
     max_rank: int,
     where: str = "adapter_model.safetensors",
 ) -> tuple[list[ModuleTensors], list[str]]:
