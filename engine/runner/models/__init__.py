@@ -1,0 +1,1 @@
+"""The models, in plain torch: the Llama family (llama.py)."""
