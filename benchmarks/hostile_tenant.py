@@ -19,8 +19,6 @@ import collections
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,25 +31,16 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Stack:
     def __init__(self, tmp: Path, quota_bytes: int):
-        port = _free_port()
-        self.redis_proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(port), "--save", "",
-             "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
-        time.sleep(0.5)
+        self.redis = RedisServer().__enter__()
+        self.redis_url = self.redis.url
         self.db = redis.Redis.from_url(self.redis_url, decode_responses=True)
         # One attacker tenant per attack, each with the quota; the neighbour has the defaults.
         keys: dict[str, object] = {
@@ -85,7 +74,7 @@ class Stack:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
-        self.redis_proc.terminate()
+        self.redis.__exit__()
 
 
 def neighbour_ok(s: Stack) -> bool:
