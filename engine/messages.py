@@ -42,6 +42,8 @@ class RequestOutput:
     new_text: str
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # With "stop": the stop token id or stop string that ended it (None: EOS or the grammar).
+    stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0

@@ -28,6 +28,8 @@ from gateway.admission import admit
 from gateway.body import read_body
 from gateway.config import ServeConfig
 from gateway.errors import generation_failed, install_error_handlers
+from gateway.messages.routes import message_routes
+from gateway.messages.schemas import CountTokensRequest, MessagesRequest
 from gateway.metrics import RequestCounter
 from gateway.openai.bodies import ChatFormat, CompletionFormat
 from gateway.openai.generation import Generation
@@ -106,6 +108,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | EngineProcess | None =
     stores = Stores.of(rt)
     app.include_router(response_routes(rt, stores, authenticate))
     app.include_router(conversation_routes(rt, stores, authenticate))
+    app.include_router(message_routes(rt))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, tenant: str = Depends(authenticate)) -> Response:
@@ -120,6 +123,8 @@ def create_app(config: ServeConfig, engine: AsyncEngine | EngineProcess | None =
     document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest,
                           "/v1/completions": CompletionRequest,
                           "/v1/responses": ResponsesRequest,
+                          "/v1/messages": MessagesRequest,
+                          "/v1/messages/count_tokens": CountTokensRequest,
                           "/v1/conversations": CreateConversation,
                           "/v1/conversations/{cid}/items": AddItems,
                           "/v1/sessions": CreateSession,

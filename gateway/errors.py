@@ -1,4 +1,5 @@
-"""OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, for every failure.
+"""OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, for every failure;
+Anthropic's, `{"type": "error", "error": {"type", "message"}}`, on the Messages API's routes.
 
 Handlers cover our own `APIError`, pydantic / FastAPI validation (400, never FastAPI's 422
 body), Starlette's HTTP errors (unknown route, wrong method: each names the route and what
@@ -50,7 +51,11 @@ class APIError(Exception):
     def body(self) -> dict[str, object]:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
+    def response(self, request: Request | None = None) -> JSONResponse:
+        """The error's response, in Anthropic's shape on its routes (`request`'s path)."""
+        if request is not None and request.url.path.startswith(ANTHROPIC_ROUTES):
+            status, body = anthropic_error(self)
+            return JSONResponse(body, status_code=status, headers=self.headers)
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
@@ -58,6 +63,24 @@ def error_body(
     message: str, type: str = INVALID, param: str | None = None, code: str | None = None
 ) -> dict[str, object]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+ANTHROPIC_ROUTES = "/v1/messages"
+# status -> Anthropic's error type; 529: the server is overloaded (a full queue, an engine
+# loading, failed or restarting, a store down), where OpenAI's shape answers 429 or 503.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+OVERLOADED = 529
+
+
+def anthropic_error(e: APIError) -> tuple[int, dict[str, object]]:
+    """(status, body) of `e` in Anthropic's shape, which has no `param`: the message names
+    it first when it does not already ("messages[1].content[0]: ...")."""
+    status = OVERLOADED if e.status == 503 or e.code == "queue_full" else e.status
+    kind = ANTHROPIC_TYPES.get(status, INVALID if status < 500 else "api_error")
+    message = e.message if not e.param or e.param in e.message else f"{e.param}: {e.message}"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # -- the statuses the gateway answers ---------------------------------------------------
@@ -233,40 +256,39 @@ def route_error(request: Request, status: int, headers: Mapping[str, str]) -> AP
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request)
 
     @app.exception_handler(StoreUnavailable)
-    async def _store(_: Request, exc: StoreUnavailable) -> JSONResponse:
-        return store_unavailable(exc).response()
+    async def _store(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        return store_unavailable(exc).response(request)
 
     @app.exception_handler(EngineUnavailable)
-    async def _engine(_: Request, exc: EngineUnavailable) -> JSONResponse:
-        return engine_failed(f"The engine is unavailable: {exc}").response()
+    async def _engine(request: Request, exc: EngineUnavailable) -> JSONResponse:
+        return engine_failed(f"The engine is unavailable: {exc}").response(request)
 
     @app.exception_handler(QuotaExceeded)
-    async def _quota(_: Request, exc: QuotaExceeded) -> JSONResponse:
-        return storage_quota_exceeded(exc).response()
+    async def _quota(request: Request, exc: QuotaExceeded) -> JSONResponse:
+        return storage_quota_exceeded(exc).response(request)
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation(exc.errors(), drop_prefix="body").response()
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc.errors(), drop_prefix="body").response(request)
 
     @app.exception_handler(ValidationError)
-    async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
-        return from_pydantic(exc).response()
+    async def _validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return from_pydantic(exc).response(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code in (404, 405):  # raised by routing: no route, or not this method
-            return route_error(request, exc.status_code, exc.headers or {}).response()
+            return route_error(request, exc.status_code, exc.headers or {}).response(request)
         type_ = INVALID if exc.status_code < 500 else "server_error"
-        body = error_body(str(exc.detail), type_)
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return APIError(exc.status_code, str(exc.detail), type_,
+                        headers=exc.headers).response(request)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        body = error_body("The server had an error while processing your request.",
-                          "server_error", None, "internal_error")
-        return JSONResponse(body, status_code=500)
+        return APIError(500, "The server had an error while processing your request.",
+                        "server_error", code="internal_error").response(request)

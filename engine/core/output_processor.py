@@ -107,18 +107,16 @@ class OutputProcessor:
             req.error = GrammarStage.accept(req, token)
             if req.error:
                 return "error"
-        if (
-            token in p.stop_token_ids
-            or (not p.ignore_eos and token in self.eos_token_ids)
-            or GrammarStage.terminated(req)
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+        elif not ((not p.ignore_eos and token in self.eos_token_ids)
+                  or GrammarStage.terminated(req)):
             # As vLLM: a stop string ends the output only once more than min_tokens are out.
-            or detok.add(token, req.num_output_tokens > p.min_tokens) is not None
-        ):
-            req.error = GrammarStage.check(req, detok.text)
-            return "error" if req.error else "stop"
-        if self.tokens_left(req) <= 0:
-            return "length"
-        return None
+            req.stop_reason = detok.add(token, req.num_output_tokens > p.min_tokens)
+            if req.stop_reason is None:
+                return "length" if self.tokens_left(req) <= 0 else None
+        req.error = GrammarStage.check(req, detok.text)
+        return "error" if req.error else "stop"
 
     def tokens_left(self, req: Request) -> int:
         """The length stop: how many more tokens `req` may have before `max_tokens` or the
@@ -167,6 +165,7 @@ class OutputProcessor:
             new_text=detok.take(final=req.finished),
             finished=req.finished,
             finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason if req.finish_reason == "stop" else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=req.num_output_tokens,

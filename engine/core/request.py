@@ -53,6 +53,7 @@ class Request:
     lora: Lease | None = None  # its hold on `params.adapter` (lora/manager.py); None: base
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # what stopped it: a stop token id or stop string
     error: str | None = None  # why the request failed (finish_reason "error")
     arrival: int = field(default_factory=lambda: next(_arrival))
     added_at: float = field(default_factory=time.monotonic)

@@ -45,6 +45,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     error_code: str | None = None  # "engine_failed": the engine stopped, not this request
     num_prompt_tokens: int = 0
@@ -200,6 +201,7 @@ class Generation:
         choice.num_cached_tokens = out.num_cached_tokens or choice.num_cached_tokens
         if out.finished:
             choice.finish_reason = out.finish_reason or "stop"
+            choice.stop_reason = out.stop_reason
             choice.error, choice.error_code = out.error, out.error_code
             self.metrics.finished.labels(choice.finish_reason).inc()
             self.metrics.e2e.observe(now - self.arrival)

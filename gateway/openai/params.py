@@ -137,12 +137,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, object]:
     """`chat_template_kwargs` (e.g. enable_thinking), checked: a 400 for one that would set
-    what the gateway sets itself."""
+    what the gateway sets itself. `reasoning_effort` "none" turns thinking off unless they
+    say otherwise."""
     kwargs = body.chat_template_kwargs or {}
     taken = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if taken:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}",
                           "chat_template_kwargs")
+    if body.reasoning_effort == "none":
+        return {"enable_thinking": False, **kwargs}
     return kwargs
 
 
@@ -230,7 +233,7 @@ def _params(
         adapter=adapter,
         # A chat reply from a reasoning model reasons first; a raw completion is all answer.
         reasoning=chat,
-        max_reasoning_tokens=(body.max_reasoning_tokens
+        max_reasoning_tokens=(body.reasoning_budget
                               if isinstance(body, ChatCompletionRequest) else None),
     )
 

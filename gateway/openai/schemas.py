@@ -20,6 +20,12 @@ OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 MAX_STOP_CHARS = 512  # stop matching cost grows with the length; keep one request cheap
 
 
+# `reasoning_effort` -> the reasoning budget in tokens (docs/reasoning.md); "none" thinks not at
+# all where the template can be told (enable_thinking), else its end marker comes first.
+REASONING_EFFORT = {"none": 1, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384,
+                    "xhigh": 32768}
+
+
 class ContentPart(BaseModel):
     model_config = OPEN
 
@@ -139,6 +145,9 @@ class ChatCompletionRequest(_Generation):
     # enable_thinking) and the reasoning budget, after which the end marker is forced.
     chat_template_kwargs: dict[str, object] | None = None
     max_reasoning_tokens: int | None = Field(None, ge=1)
+    # OpenAI's: a budget from REASONING_EFFORT ("none": the template is told not to think);
+    # max_reasoning_tokens, when given too, is the budget.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:
@@ -149,6 +158,13 @@ class ChatCompletionRequest(_Generation):
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def reasoning_budget(self) -> int | None:
+        """`max_reasoning_tokens`, else the budget of `reasoning_effort` (None: unbounded)."""
+        if self.max_reasoning_tokens is not None or self.reasoning_effort is None:
+            return self.max_reasoning_tokens
+        return REASONING_EFFORT[self.reasoning_effort]
 
 
 class CompletionRequest(_Generation):

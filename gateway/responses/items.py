@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -55,6 +56,15 @@ class TextOptions(BaseModel):
         return v
 
 
+class ReasoningOptions(BaseModel):
+    """`reasoning`: `effort` bounds a reasoning model's thinking (the chat API's
+    `reasoning_effort`); `summary` is accepted and ignored (the reasoning comes whole)."""
+
+    model_config = OPEN
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`. Unknown fields are kept and ignored, as for chat completions."""
 
@@ -71,6 +81,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -288,6 +299,7 @@ def to_chat(body: ResponsesRequest, messages: list[Message]) -> ChatCompletionRe
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "user": body.user,
         "parallel_tool_calls": body.parallel_tool_calls,
+        "reasoning_effort": body.reasoning.effort if body.reasoning else None,
     }
     for key in PASSED_EXTRAS:  # extensions, as the chat completions take them
         if key in (body.model_extra or {}):

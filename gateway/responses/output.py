@@ -188,7 +188,8 @@ def response_body(
         "previous_response_id": body.previous_response_id,
         "conversation": ({"id": body.conversation_id} if body.conversation is not None
                          else None),
-        "reasoning": {"effort": None, "summary": None}, "store": body.store,
+        "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                      "summary": None}, "store": body.store,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {"format": body.text_format},
         "tool_choice": "auto" if body.tool_choice is None else body.tool_choice,
