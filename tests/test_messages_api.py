@@ -20,6 +20,10 @@ import httpx
 import jsonschema
 import pytest
 
+from gateway.errors import APIError, anthropic_error
+from gateway.messages.prompt import anthropic_param, to_chat
+from gateway.messages.schemas import MessagesRequest
+from gateway.openai.schemas import REASONING_EFFORT, ChatCompletionRequest
 from tests.conftest import GatewayServer
 from tests.lora_files import adapter
 
@@ -342,3 +346,97 @@ def test_adapters_are_the_tenants_own(server: GatewayServer, alpha_adapter: str)
     unknown = _error(post(server, {**ok, "model": f"{server.model}:never-uploaded"}, key=BETA),
                      404, "not_found_error")
     assert theirs.replace(alpha_adapter, "X") == unknown.replace("never-uploaded", "X")
+
+
+def test_output_format_is_followed(server: GatewayServer) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    kw = {"model": server.model, "max_tokens": 64, "messages": ASK, "temperature": 0,
+          "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    m = create(client(server), **kw)
+    assert m.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(m.content[0].text), schema)
+    assert blocks(streamed(client(server), **kw)) == blocks(m)
+    bad = {**kw, "output_config": {"format": {"type": "json_schema",
+                                              "schema": {"type": "object", "properties": 1}}}}
+    assert "output_config.format" in _error(post(server, bad), 400, "invalid_request_error")
+
+
+# -- the translation, without a server ----------------------------------------------------
+
+
+def test_a_conversation_as_chat_messages() -> None:
+    body = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 64, "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "call it", "signature": "x"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"city": "Oslo"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "w", "input": {"city": "Rome"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "cold"},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                 "content": [{"type": "text", "text": "no such city"}]},
+                {"type": "text", "text": "So?"}]}],
+        "tools": [{"name": "w", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "thinking": {"type": "enabled", "budget_tokens": 32}, "stop_sequences": ["END"]})
+    chat, where = to_chat(body, body.max_tokens)
+    roles = [m.role for m in chat.messages]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "user"]
+    assert where == ["system", "messages[0]", "messages[1]", "messages[2]", "messages[2]",
+                     "messages[2]"]
+    assistant = chat.messages[2]
+    assert assistant.text() == "Checking."
+    assert (assistant.model_extra or {})["reasoning_content"] == "call it"
+    assert [json.loads(c["function"]["arguments"]) for c in assistant.tool_calls or []] == [
+        {"city": "Oslo"}, {"city": "Rome"}]
+    assert [m.text() for m in chat.messages[3:]] == ["cold", "Error: no such city", "So?"]
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert chat.tools == [{"type": "function", "function": {
+        "name": "w", "parameters": {"type": "object"}}}]
+    assert chat.max_reasoning_tokens == 32 and chat.stop == ["END"]
+    assert chat.chat_template_kwargs == {"enable_thinking": True}
+
+
+def test_effort_and_thinking_map_to_the_reasoning_budget() -> None:
+    def chat(**fields: Any) -> ChatCompletionRequest:
+        body = {"model": "m", "max_tokens": 8000, "messages": HI, **fields}
+        return to_chat(MessagesRequest.model_validate(body), 8000)[0]
+
+    assert chat().chat_template_kwargs == {"enable_thinking": False}  # not asked to think
+    adaptive = chat(thinking={"type": "adaptive"}, output_config={"effort": "low"})
+    assert adaptive.chat_template_kwargs == {"enable_thinking": True}
+    assert adaptive.reasoning_budget == REASONING_EFFORT["low"]
+    assert chat(thinking={"type": "adaptive"}, output_config={"effort": "max"}
+                ).reasoning_budget is None
+    budget = chat(thinking={"type": "enabled", "budget_tokens": 2000},
+                  output_config={"effort": "low"})
+    assert budget.reasoning_budget == 2000
+
+
+def test_errors_name_the_messages_parameters() -> None:
+    where = ["system", "messages[0]", "messages[1]", "messages[1]"]
+    assert anthropic_param("messages[3].tool_call_id", where) == "messages[1]"
+    assert anthropic_param("tools[2].function.parameters.properties",
+                           where) == "tools[2].input_schema.properties"
+    assert anthropic_param("tools[0].function.name", where) == "tools[0].name"
+    assert anthropic_param("max_reasoning_tokens", where) == "thinking.budget_tokens"
+    assert anthropic_param("response_format.json_schema.schema", where) == \
+        "output_config.format.schema"
+    assert anthropic_param("stop", where) == "stop_sequences"
+    for status, code, kind, shown in [(400, None, "invalid_request_error", 400),
+                                      (401, "invalid_api_key", "authentication_error", 401),
+                                      (403, None, "permission_error", 403),
+                                      (404, None, "not_found_error", 404),
+                                      (413, None, "request_too_large", 413),
+                                      (429, "rate_limit_exceeded", "rate_limit_error", 429),
+                                      (429, "queue_full", "overloaded_error", 529),
+                                      (503, "engine_failed", "overloaded_error", 529),
+                                      (500, "engine_error", "api_error", 500)]:
+        got, body = anthropic_error(APIError(status, "why", param="p", code=code))
+        assert (got, body) == (shown, {"type": "error", "error": {"type": kind,
+                                                                   "message": "p: why"}})

@@ -12,11 +12,13 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
 
+from gateway.openai.schemas import REASONING_EFFORT
 from tests.conftest import GatewayServer, serve
 from tests.test_reasoning import ASK, SCHEMA, TOOLS
 from tests.tiny_models import save_tiny_reasoner
@@ -186,3 +188,84 @@ def test_responses_carry_a_reasoning_item(client: OpenAI, server: GatewayServer)
         *[item.model_dump(exclude_none=True) for item in r.output],
         {"role": "user", "content": "And in Rome?"}]})
     assert again.output[0].type == "reasoning"
+
+
+# -- reasoning effort, and the Messages API's thinking blocks ------------------------------
+
+
+def test_reasoning_effort_is_a_budget(client: OpenAI, server: GatewayServer) -> None:
+    """`reasoning_effort` (chat) and `reasoning.effort` (Responses) bound the reasoning to the
+    documented budget; "none" tells the template not to think."""
+    budget = REASONING_EFFORT["minimal"]
+    r = _chat(client, server, budget=None, max_tokens=budget + 8, reasoning_effort="minimal",
+              extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens_details.reasoning_tokens == budget
+    assert r.choices[0].message.content
+    resp = client.responses.create(model=server.model, input="What is the weather in Paris?",
+                                   max_output_tokens=budget + 8, temperature=0,
+                                   reasoning={"effort": "minimal"},
+                                   extra_body={"ignore_eos": True})
+    assert resp.usage.output_tokens_details.reasoning_tokens == budget
+    assert resp.reasoning.effort == "minimal"
+    # Without a budget the tiny reasoner never ends its reasoning itself.
+    runaway = _chat(client, server, budget=None, max_tokens=24, extra_body={"ignore_eos": True})
+    assert runaway.usage.completion_tokens_details.reasoning_tokens == 24
+    off = _chat(client, server, budget=None, max_tokens=8, reasoning_effort="none",
+                extra_body={"ignore_eos": True})
+    assert _reasoning_of(off.choices[0].message) is None and off.choices[0].message.content
+    # An explicit max_reasoning_tokens is the budget, effort or not.
+    both = _chat(client, server, budget=6, max_tokens=16, reasoning_effort="high",
+                 extra_body={"ignore_eos": True})
+    assert both.usage.completion_tokens_details.reasoning_tokens == 6
+
+
+def _messages(server: GatewayServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0,
+                               timeout=300)
+
+
+def test_messages_thinking_blocks(server: GatewayServer) -> None:
+    """`thinking` on the Messages API: a thinking block before the answer, within the budget;
+    streamed as thinking_delta events the SDK assembles into the same message; none when
+    thinking is not asked for."""
+    c = _messages(server)
+    kw: dict[str, Any] = {"model": server.model, "max_tokens": 16, "messages": ASK,
+                          "thinking": {"type": "enabled", "budget_tokens": 6},
+                          "extra_body": {"temperature": 0, "ignore_eos": True}}
+    m = c.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking and "</think>" not in m.content[1].text
+    assert m.usage.output_tokens == 16
+    with c.messages.stream(**kw) as s:
+        kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
+        final = s.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    assert kinds[0] == "thinking_delta" and kinds[-1] == "text_delta"
+
+    off = c.messages.create(**{**kw, "thinking": {"type": "disabled"}})
+    assert [b.type for b in off.content] == ["text"]
+    absent = c.messages.create(**{k: v for k, v in kw.items() if k != "thinking"})
+    assert [b.type for b in absent.content] == ["text"]
+
+
+def test_messages_think_then_call(server: GatewayServer) -> None:
+    """Tools after thinking: the call validates; the thinking and tool_use blocks sent back
+    with a tool_result continue the conversation."""
+    c = _messages(server)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+             for t in TOOLS]
+    kw: dict[str, Any] = {"model": server.model, "max_tokens": 120, "tools": tools,
+                          "thinking": {"type": "enabled", "budget_tokens": 6},
+                          "extra_body": {"temperature": 0}}
+    # get_weather's arguments are bounded (add's integers may run on at temperature 0)
+    m = c.messages.create(**kw, messages=ASK, tool_choice={
+        "type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    assert m.content[0].type == "thinking" and m.stop_reason == "tool_use"
+    calls = [b for b in m.content if b.type == "tool_use"]
+    _valid_calls([{"name": b.name, "arguments": json.dumps(b.input)} for b in calls],
+                 set(SCHEMAS))
+    history = [*ASK, {"role": "assistant", "content": m.content},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id,
+                                             "content": "ok"} for b in calls]}]
+    again = c.messages.create(**kw, messages=history, tool_choice={"type": "none"})
+    assert again.content[0].type == "thinking" and again.content[-1].type == "text"
