@@ -67,8 +67,10 @@ def create_app(config: ServeConfig, engine: AsyncEngine | EngineProcess | None =
 
     # Dependencies are coroutines: FastAPI runs a plain `def` one in its thread pool, a thread
     # hop per request (and a wait for a pool thread under load) for a dict lookup.
-    async def authenticate(authorization: str | None = Header(None)) -> str:
-        return rt.auth.tenant_for(authorization)
+    # `x-api-key` is the Anthropic SDK's (and Claude Code's) way to send the same keys.
+    async def authenticate(authorization: str | None = Header(None),
+                           x_api_key: str | None = Header(None)) -> str:
+        return rt.auth.tenant_for(f"Bearer {x_api_key}" if x_api_key else authorization)
 
     add_session_routes(app, rt, authenticate)
 
@@ -108,7 +110,7 @@ def create_app(config: ServeConfig, engine: AsyncEngine | EngineProcess | None =
     stores = Stores.of(rt)
     app.include_router(response_routes(rt, stores, authenticate))
     app.include_router(conversation_routes(rt, stores, authenticate))
-    app.include_router(message_routes(rt))
+    app.include_router(message_routes(rt, authenticate))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, tenant: str = Depends(authenticate)) -> Response:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -27,6 +30,7 @@ from gateway.openai.schemas import REASONING_EFFORT, ChatCompletionRequest
 from tests.conftest import GatewayServer
 from tests.lora_files import adapter
 
+ROOT = Path(__file__).resolve().parents[1]
 ALPHA, BETA, GAMMA = "sk-test-alpha", "sk-test-beta", "sk-test-gamma"
 WEATHER = {
     "name": "get_weather",
@@ -440,3 +444,14 @@ def test_errors_name_the_messages_parameters() -> None:
         got, body = anthropic_error(APIError(status, "why", param="p", code=code))
         assert (got, body) == (shown, {"type": "error", "error": {"type": kind,
                                                                    "message": "p: why"}})
+
+
+def test_examples_agent_messages_runs_against_the_server(server: GatewayServer) -> None:
+    out = subprocess.run(
+        [sys.executable, "examples/agent_messages.py", "--base-url", server.url,
+         "--api-key", server.api_key, "--max-steps", "2", "--max-tokens", "64",
+         "What is 12 * 7?"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "calculator(" in out.stderr or "clock(" in out.stderr  # at least one tool ran

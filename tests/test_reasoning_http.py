@@ -269,3 +269,39 @@ def test_messages_think_then_call(server: GatewayServer) -> None:
                                              "content": "ok"} for b in calls]}]
     again = c.messages.create(**kw, messages=history, tool_choice={"type": "none"})
     assert again.content[0].type == "thinking" and again.content[-1].type == "text"
+
+
+def test_messages_of_the_shape_claude_code_sends(server: GatewayServer) -> None:
+    """A request shaped as Claude Code 2.1's (`?beta=true`, system text blocks with
+    cache_control, a `system` turn between the messages, adaptive thinking with
+    `output_config.effort`, `context_management`, a JSON `metadata.user_id`, streamed) is
+    served: thinking, then the answer."""
+    body = {
+        "model": server.model, "max_tokens": 24, "stream": True, "temperature": 0,
+        "ignore_eos": True,
+        "system": [{"type": "text", "text": "x-billing-header: v=1;"},
+                   {"type": "text", "text": "You are a coding agent.",
+                    "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>date: today</system-reminder>"},
+                {"type": "text", "text": "Say hi", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": "Agent types: general."}],
+        "tools": [{"name": "Read", "description": "Read a file.", "input_schema": {
+            "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+            "properties": {"file_path": {"type": "string"}}, "required": ["file_path"],
+            "additionalProperties": False}}],
+        "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "s"})},
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "low"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+    r = httpx.post(server.url + "/v1/messages?beta=true", json=body, timeout=300,
+                   headers={"x-api-key": server.api_key, "anthropic-version": "2023-06-01",
+                            "anthropic-beta": "interleaved-thinking-2025-05-14"})
+    assert r.status_code == 200, r.text
+    kinds = [json.loads(line[6:])["type"] for line in r.text.splitlines()
+             if line.startswith("data: ")]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    deltas = [json.loads(line[6:])["delta"]["type"] for line in r.text.splitlines()
+              if line.startswith("data: ") and '"content_block_delta"' in line]
+    assert deltas[0] == "thinking_delta"  # within the effort's budget: all 24 tokens think

@@ -7,6 +7,7 @@ Anthropic's turns map onto chat messages one block kind at a time:
     system (string or text blocks)      -> a system message
     user text blocks                    -> a user message
     user tool_result blocks             -> one tool message each (`is_error`: "Error: " first)
+    a system turn (text)                -> a system message, where it is
     assistant text / tool_use blocks    -> an assistant message with its tool calls
     assistant thinking blocks           -> its `reasoning_content` (a reasoning template shows it)
 
@@ -50,7 +51,10 @@ def to_chat(body: CountTokensRequest, max_tokens: int = 1) -> tuple[ChatCompleti
         messages.append({"role": "system", "content": body.system_text()})
         where.append("system")
     for i, m in enumerate(body.messages):
-        turn = _assistant(m.content, i) if m.role == "assistant" else _user(m.content, i)
+        if m.role == "assistant":
+            turn = _assistant(m.content, i)
+        else:
+            turn = _user(m.content, i, m.role)
         messages += turn
         where += [f"messages[{i}]"] * len(turn)
     check_history(len(messages))  # tool results made more messages than were counted
@@ -100,16 +104,17 @@ def to_chat(body: CountTokensRequest, max_tokens: int = 1) -> tuple[ChatCompleti
         raise renamed(from_pydantic(e), where) from None
 
 
-def _user(content: object, i: int) -> list[dict[str, object]]:
+def _user(content: object, i: int, role: str) -> list[dict[str, object]]:
+    """A user turn's messages (a system one's: text only)."""
     if isinstance(content, str):
-        return [{"role": "user", "content": content}]
+        return [{"role": role, "content": content}]
     assert isinstance(content, list)
     out: list[dict[str, object]] = []
     text: list[str] = []
     for j, block in enumerate(content):
         if isinstance(block, TextBlock):
             text.append(block.text)
-        elif isinstance(block, ToolResultBlock):
+        elif isinstance(block, ToolResultBlock) and role == "user":
             if text:
                 out.append({"role": "user", "content": "".join(text)})
                 text = []
@@ -117,10 +122,10 @@ def _user(content: object, i: int) -> list[dict[str, object]]:
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": f"Error: {result}" if block.is_error else result})
         elif not isinstance(block, ThinkingBlock):  # thinking a client echoed: nothing to say
-            raise bad_request(f"a user message may not hold a '{block.type}' block",
+            raise bad_request(f"a {role} message may not hold a '{block.type}' block",
                               f"messages[{i}].content[{j}].type")
     if text or not out:
-        out.append({"role": "user", "content": "".join(text)})
+        out.append({"role": role, "content": "".join(text)})
     return out
 
 

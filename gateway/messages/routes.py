@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.access.auth import Authenticate
 from gateway.adapters.routes import ensure_adapter
 from gateway.admission import admit
 from gateway.body import read_body
@@ -32,13 +33,9 @@ from gateway.responses.items import new_id
 from gateway.runtime import Runtime
 
 
-def message_routes(rt: Runtime) -> APIRouter:
+def message_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
     router = APIRouter()
     limit = rt.config.max_request_bytes
-
-    async def authenticate(authorization: str | None = Header(None),
-                           x_api_key: str | None = Header(None)) -> str:
-        return rt.auth.tenant_for(f"Bearer {x_api_key}" if x_api_key else authorization)
 
     @router.post("/v1/messages")
     async def create_message(request: Request, tenant: str = Depends(authenticate)) -> Response:

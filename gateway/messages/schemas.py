@@ -68,9 +68,12 @@ Block = Annotated[
 
 
 class MessageParam(BaseModel):
+    """A turn. A `system` message in the conversation (Claude Code sends them between turns)
+    holds text and stays where it is, for the chat template to render."""
+
     model_config = OPEN
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
