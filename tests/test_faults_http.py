@@ -191,3 +191,28 @@ def test_a_failing_request_fails_alone(gateway_server: GatewayServer, smollm2_di
     assert grammar.status_code == 400
     assert grammar.json()["error"]["param"] == "response_format.grammar"
     _wait_idle(srv)
+
+
+def test_a_failing_message_is_an_api_error(gateway_server: GatewayServer, smollm2_dir: Path,
+                                           tmp_path: Path) -> None:
+    """The Messages API's side of the same failure: a 500 `api_error` in Anthropic's shape,
+    and in a stream an `error` event (no message_stop)."""
+    srv = gateway_server
+    name = _damaged_adapter(srv, save_peft_adapter(smollm2_dir, tmp_path / "broken", seed=3))
+    body = {"model": name, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    headers = {"x-api-key": srv.api_key}
+    try:
+        plain = httpx.post(srv.url + "/v1/messages", json=body, headers=headers, timeout=120)
+        streamed = httpx.post(srv.url + "/v1/messages", json={**body, "stream": True},
+                              headers=headers, timeout=120)
+    finally:
+        httpx.delete(srv.base_url + f"/adapters/{name}", headers=_headers(srv))
+    assert plain.status_code == 500
+    assert plain.json()["type"] == "error" and plain.json()["error"]["type"] == "api_error"
+    assert "can no longer be loaded" in plain.json()["error"]["message"]
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ")]
+    assert streamed.status_code == 200 and events[0]["type"] == "message_start"
+    assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "api_error"
+    assert "message_stop" not in [e["type"] for e in events]
+    _wait_idle(srv)
