@@ -148,9 +148,13 @@ def test_missing_or_wrong_key_is_401_everywhere(gateway_server: GatewayServer,
                 continue
             url = gateway_server.url + path.format(**params)
             for headers in [{}, {"Authorization": "Bearer sk-wrong"},
-                            {"Authorization": A}, {"Authorization": f"Basic {A}"}]:
+                            {"Authorization": A}, {"Authorization": f"Basic {A}"},
+                            {"x-api-key": "sk-wrong"}]:
                 r = httpx.request(method, url, headers=headers, json={}, timeout=30)
                 assert r.status_code == 401, (method, path, headers, r.text)
-                assert r.json()["error"]["code"] == "invalid_api_key"
+                if path.startswith("/v1/messages"):  # Anthropic's shape
+                    assert r.json()["error"]["type"] == "authentication_error"
+                else:
+                    assert r.json()["error"]["code"] == "invalid_api_key"
                 assert r.headers["WWW-Authenticate"] == "Bearer"
     assert open_routes == OPEN_ROUTES
