@@ -172,7 +172,10 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp, self.part = tp, part
         local = self.local_cfg = cfg if part is None else part.local(cfg)
-        self.embed_tokens = nn.Embedding(local.vocab_size, cfg.hidden_size)
+        # Built with its (uninitialised) weight: the loader fills it, and a random init under
+        # the meta device would import torch._dynamo (3 s of start-up) for nothing.
+        self.embed_tokens = nn.Embedding(local.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(local.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(local, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
@@ -183,8 +186,11 @@ class LlamaForCausalLM(nn.Module):
         self.init_rope()
 
     def init_rope(self) -> None:
-        """(Re)build the fp32 cos/sin tables, e.g. after loading on the meta device."""
+        """(Re)build the fp32 cos/sin tables, e.g. after loading on the meta device (where
+        there is nothing to build, and tracing it would import torch._dynamo: 3 s)."""
         device = self.embed_tokens.weight.device
+        if device.type == "meta":
+            return
         inv_freq = rope_inv_freq(self.cfg).to(device)
         pos = torch.arange(self.cfg.max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(pos, inv_freq)
