@@ -455,3 +455,20 @@ def test_examples_agent_messages_runs_against_the_server(server: GatewayServer) 
     )
     assert out.returncode == 0, out.stderr
     assert "calculator(" in out.stderr or "clock(" in out.stderr  # at least one tool ran
+
+
+def test_a_prefill_is_continued(server: GatewayServer) -> None:
+    """An assistant turn last is continued, as Anthropic's API does: greedy, the reply to a
+    prefill of the first words of the free reply is the rest of that reply."""
+    kw = {"model": server.model, "max_tokens": 24, "temperature": 0}
+    free = create(client(server), **kw, messages=HI).content[0].text
+    words = free.split(" ")
+    head = " ".join(words[:3])
+    m = create(client(server), **kw, messages=[*HI, {"role": "assistant", "content": head}])
+    rest = m.content[0].text
+    assert rest and free.startswith(head + rest[:20]), (free, head, rest)
+    # The chat API's own name for it (vLLM's), refused where it cannot apply.
+    chat = httpx.post(server.base_url + "/chat/completions", timeout=300,
+                      headers={"Authorization": f"Bearer {ALPHA}"},
+                      json={**kw, "messages": HI, "continue_final_message": True})
+    assert chat.status_code == 400 and "assistant message last" in chat.text

@@ -10,6 +10,7 @@ Anthropic's turns map onto chat messages one block kind at a time:
     a system turn (text)                -> a system message, where it is
     assistant text / tool_use blocks    -> an assistant message with its tool calls
     assistant thinking blocks           -> its `reasoning_content` (a reasoning template shows it)
+    an assistant turn last (a prefill)  -> `continue_final_message`: the reply continues it
 
 and `tools` / `tool_choice` / `thinking` / `stop_sequences` onto their chat counterparts.
 Errors the chat planner raises name chat parameters; `anthropic_param` spells them back.
@@ -59,6 +60,9 @@ def to_chat(body: CountTokensRequest, max_tokens: int = 1) -> tuple[ChatCompleti
         where += [f"messages[{i}]"] * len(turn)
     check_history(len(messages))  # tool results made more messages than were counted
     chat: dict[str, object] = {"model": body.model, "messages": messages, "max_tokens": max_tokens}
+    last = messages[-1]
+    if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):
+        chat["continue_final_message"] = True  # a prefill: the reply continues it
     thinking = body.thinking is not None and body.thinking.on
     budget = body.thinking.budget_tokens if body.thinking is not None and thinking else None
     config = body.output_config

@@ -120,7 +120,8 @@ def plan_chat(
     constraint = resolve_constraint(body, tools, fmt or HERMES)
     messages, rendered_tools = render_messages(body, tools, native=fmt is not None)
     try:
-        prompt = tok.chat_prompt(messages, rendered_tools, template_kwargs(body))
+        prompt = tok.chat_prompt(messages, rendered_tools, template_kwargs(body),
+                                 body.continue_final_message)
     except InvalidRequestError as e:
         raise bad_request(e.message, e.param) from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

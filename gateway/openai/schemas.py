@@ -145,6 +145,9 @@ class ChatCompletionRequest(_Generation):
     # enable_thinking) and the reasoning budget, after which the end marker is forced.
     chat_template_kwargs: dict[str, object] | None = None
     max_reasoning_tokens: int | None = Field(None, ge=1)
+    # vLLM's: the reply continues the last message, an assistant's ("prefill"), instead of
+    # starting a turn of its own.
+    continue_final_message: bool = False
     # OpenAI's: a budget from REASONING_EFFORT ("none": the template is told not to think);
     # max_reasoning_tokens, when given too, is the budget.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
@@ -153,6 +156,14 @@ class ChatCompletionRequest(_Generation):
     def _top_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _continue_final(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
+        if self.continue_final_message and self.session_id is not None:
+            raise ValueError("continue_final_message does not work with session_id")
         return self
 
     @property

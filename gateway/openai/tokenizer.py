@@ -46,16 +46,19 @@ class GatewayTokenizer:
         messages: list[dict[str, object]],
         tools: list[dict[str, object]] | None = None,
         template_kwargs: dict[str, object] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
         """Token ids of the conversation in the model's chat template, ready for the
-        assistant's turn. `tools` only for templates that render them (`call_format`);
-        `template_kwargs`: the template's own variables (e.g. Qwen3's enable_thinking)."""
+        assistant's turn (`continue_final`: ready to continue the last, assistant, message).
+        `tools` only for templates that render them (`call_format`); `template_kwargs`: the
+        template's own variables (e.g. Qwen3's enable_thinking)."""
         extra: dict[str, object] = {**(template_kwargs or {})}
         if tools:
             extra["tools"] = tools
         try:
             text = self.hf.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **extra
+                messages, add_generation_prompt=not continue_final,
+                continue_final_message=continue_final, tokenize=False, **extra
             )
         except Exception as e:  # jinja raises for conversations the template refuses
             raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from e
