@@ -242,6 +242,15 @@ def test_messages_thinking_blocks(server: GatewayServer) -> None:
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
     assert kinds[0] == "thinking_delta" and kinds[-1] == "text_delta"
 
+    hidden = {**kw, "thinking": {"type": "enabled", "budget_tokens": 6, "display": "omitted"}}
+    omitted = c.messages.create(**hidden)
+    assert [b.type for b in omitted.content] == ["thinking", "text"]
+    assert omitted.content[0].thinking == "" and omitted.content[1].text == m.content[1].text
+    with c.messages.stream(**hidden) as s:
+        assert not [e for e in s if e.type == "content_block_delta"
+                    and e.delta.type == "thinking_delta"]
+        assert s.get_final_message().content[0].thinking == ""
+
     off = c.messages.create(**{**kw, "thinking": {"type": "disabled"}})
     assert [b.type for b in off.content] == ["text"]
     absent = c.messages.create(**{k: v for k, v in kw.items() if k != "thinking"})

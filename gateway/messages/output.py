@@ -53,8 +53,11 @@ def stop_reason(c: Choice, calls: bool) -> tuple[str, str | None]:
 
 
 class MessageFormat:
-    def __init__(self, gen: Generation, model: str):
-        self.gen, self.model = gen, model
+    """`omit_thinking` (`thinking.display` "omitted"): thinking blocks come without their
+    text."""
+
+    def __init__(self, gen: Generation, model: str, omit_thinking: bool = False):
+        self.gen, self.model, self.omit_thinking = gen, model, omit_thinking
         self.choice = gen.ordered[0]
         spec = self.choice.job.params.constraint
         self.spec = spec if spec is not None and spec.kind == "tool_calls" else None
@@ -70,7 +73,7 @@ class MessageFormat:
         c = self.choice
         content: list[Block] = []
         if c.reasoning:
-            content.append(_thinking(c.reasoning))
+            content.append(_thinking("" if self.omit_thinking else c.reasoning))
         if self.spec is None:
             if c.text:
                 content.append(_text(c.text))
@@ -89,7 +92,8 @@ class MessageFormat:
         try:
             start = self.message([], {**usage(self.gen), "output_tokens": 0})
             yield sse({"type": "message_start", "message": start}) + sse({"type": "ping"})
-            blocks = Blocks(tool_parser(self.spec) if self.spec is not None else None)
+            blocks = Blocks(tool_parser(self.spec) if self.spec is not None else None,
+                            self.omit_thinking)
             async for c, out in self.gen.outputs():
                 if c.finish_reason == "error":
                     failure = generation_failed(c.error, c.error_code)
@@ -113,8 +117,8 @@ class Blocks:
     """Content blocks as the output streams: each engine output's reasoning and text (split
     into text and calls by `parser`, when the request offered tools) as block events."""
 
-    def __init__(self, parser: ToolCallParser | None):
-        self.parser = parser
+    def __init__(self, parser: ToolCallParser | None, omit_thinking: bool = False):
+        self.parser, self.omit_thinking = parser, omit_thinking
         self.index = -1
         self.open: str | None = None  # the open block's kind
 
@@ -125,7 +129,9 @@ class Blocks:
 
     def feed(self, out: RequestOutput) -> list[Event]:
         events: list[Event] = []
-        if out.new_reasoning_text:
+        if out.new_reasoning_text and self.omit_thinking:
+            events += [] if self.open == "thinking" else self._start("thinking", _thinking(""))
+        elif out.new_reasoning_text:
             events += self._delta("thinking", {"type": "thinking_delta",
                                                "thinking": out.new_reasoning_text})
         if self.parser is None:

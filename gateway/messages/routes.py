@@ -42,7 +42,8 @@ def message_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
         body = await read_body(request, MessagesRequest, limit)
         gen = await admit(rt, request, tenant, body.model, 1, new_id("msg"),
                           MessagesFront(body))
-        fmt = MessageFormat(gen, body.model)
+        omit = body.thinking is not None and body.thinking.display == "omitted"
+        fmt = MessageFormat(gen, body.model, omit)
         if body.stream:
             return SSEResponse(fmt.events(), on_close=gen.close)
         try:

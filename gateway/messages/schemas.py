@@ -113,6 +113,7 @@ class ThinkingParam(BaseModel):
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = Field(None, ge=1)
+    display: Literal["summarized", "omitted"] | None = None  # omitted: empty thinking blocks
 
     @property
     def on(self) -> bool:
