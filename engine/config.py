@@ -20,6 +20,7 @@ from pydantic_core import PydanticUndefined
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=None` loads
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 ReasoningParser = Literal["auto", "none", "qwen3", "deepseek_r1"]  # engine/core/reasoning.py
 DTYPE_BYTES: dict[Dtype, int] = {"float32": 4, "bfloat16": 2, "float16": 2}  # KV pool sizing
 
@@ -48,6 +49,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
+    dtype: str | None = None  # the checkpoint's (`torch_dtype`), when config.json says
 
     SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM")
@@ -82,6 +84,7 @@ class ModelConfig:
                 qk_norm=arch == "Qwen3ForCausalLM",
                 eos_token_ids=eos_ids,
                 architecture=arch,
+                dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing {e.args[0]!r}") from None
@@ -141,8 +144,11 @@ class EngineConfig(BaseModel):
         "rank under tensor parallelism)")
     max_model_len: int | None = setting(
         None, ge=1, help="context length cap (default: the model's, within the KV pool)")
-    dtype: Dtype = setting("float32", help="weights and KV cache dtype")
-    device: str = setting("cpu", metavar="DEVICE", help="cpu | cuda")
+    dtype: DtypeSetting = setting(
+        "auto", help="weights and KV cache dtype (auto: float32 on a CPU; on a GPU the "
+        "checkpoint's, bfloat16 where that is float32)")
+    device: str = setting("auto", metavar="DEVICE",
+                          help="auto | cpu | cuda (auto: cuda when a GPU is present)")
     seed: int = setting(0, help="engine seed for unseeded sampling")
     cuda_graphs: bool | None = setting(
         None, help="replay captured CUDA graphs for decode steps (default: on CUDA)")
@@ -212,6 +218,29 @@ class EngineConfig(BaseModel):
                              "with tensor_parallel_size > 1")
         return self
 
+    def settle_device(self, cuda: bool, checkpoint_dtype: str | None) -> tuple[EngineConfig,
+                                                                              str]:
+        """(this config with `device` and `dtype` settled, a line saying what "auto" chose
+        and why). `cuda`: a GPU is present; `checkpoint_dtype`: the model's `torch_dtype`.
+        Before the model loads (the weights are read in `dtype`, on `device`)."""
+        why = []
+        device = self.device
+        if device == "auto":
+            device = "cuda" if cuda else "cpu"
+            why.append(f"device {device} ({'a GPU is present' if cuda else 'no GPU'})")
+        dtype = self.dtype
+        if dtype == "auto":
+            found = checkpoint_dtype if checkpoint_dtype in DTYPE_BYTES else None
+            if device == "cpu":
+                dtype, reason = "float32", "on a CPU"
+            elif found in (None, "float32"):
+                dtype, reason = "bfloat16", f"the checkpoint's is {found or 'not given'}"
+            else:
+                dtype, reason = found, "the checkpoint's"
+            why.append(f"dtype {dtype} ({reason})")
+        settled = self.model_copy(update={"device": device, "dtype": dtype})
+        return settled, "; ".join(why)
+
     def resolve(self, model: ModelConfig, device: str) -> ResolvedConfig:
         """This config with every "auto" setting settled for `model` on `device` (a device
         type: "cpu", "cuda"). The engine calls it once, after loading the model, and reads only
@@ -239,7 +268,8 @@ class EngineConfig(BaseModel):
         return max(1, int(self.kv_cache_gb * 2**30) // self._page_bytes(model))
 
     def _page_bytes(self, model: ModelConfig) -> int:
-        """One page's K and V over all layers."""
+        """One page's K and V over all layers (`dtype` settled: `settle_device`)."""
+        assert self.dtype != "auto", "settle_device first"
         return (2 * model.num_layers * model.num_kv_heads * model.head_dim
                 * DTYPE_BYTES[self.dtype] * self.page_size)
 

@@ -321,3 +321,22 @@ def test_health_fails_once_the_model_failed_to_load(tmp_path: Path) -> None:
         assert r.status_code == 503, r.text
         error = r.json()["error"]
         assert error["code"] == "model_load_failed" and "unknown model path" in error["message"]
+
+
+def test_device_and_dtype_auto_settle_before_loading() -> None:
+    """`--device auto` is CUDA when a GPU is present; `--dtype auto` float32 on a CPU, on a
+    GPU the checkpoint's (bfloat16 for a float32 or unnamed one); given values stay."""
+    from engine.config import EngineConfig
+
+    cfg = EngineConfig()
+    assert (cfg.device, cfg.dtype) == ("auto", "auto")
+    cpu, why = cfg.settle_device(cuda=False, checkpoint_dtype="bfloat16")
+    assert (cpu.device, cpu.dtype) == ("cpu", "float32")
+    assert why == "device cpu (no GPU); dtype float32 (on a CPU)"
+    gpu, why = cfg.settle_device(cuda=True, checkpoint_dtype="float32")
+    assert (gpu.device, gpu.dtype) == ("cuda", "bfloat16") and "float32" in why
+    assert cfg.settle_device(True, "float16")[0].dtype == "float16"
+    assert cfg.settle_device(True, None)[0].dtype == "bfloat16"
+    assert cfg.settle_device(True, "int8")[0].dtype == "bfloat16"  # not a dtype we run
+    given, why = EngineConfig(device="cpu", dtype="bfloat16").settle_device(True, "float16")
+    assert (given.device, given.dtype, why) == ("cpu", "bfloat16", "")

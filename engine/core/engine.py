@@ -6,6 +6,7 @@ step modes (engine/core/steps.py, engine/spec/steps.py) -> outputs (`LLMEngine.s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -37,6 +38,8 @@ from kernels import spec_decode
 from lora.manager import AdapterManager, UnknownAdapter
 from lora.slots import LoraSlots
 
+log = logging.getLogger(__name__)
+
 
 class AdapterAdmission:
     """The scheduler's adapter predicate (`engine.core.scheduler.Admission`) over the manager's
@@ -51,12 +54,16 @@ class AdapterAdmission:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
+        self.model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)
+        cfg, why = cfg.settle_device(torch.cuda.is_available(),
+                                     ModelConfig.from_dir(self.model_dir).dtype)
+        if why:
+            log.info("auto settings: %s", why)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         elif cfg.tensor_parallel_size > 1 and cfg.device == "cpu":  # the ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size))
         dtype = getattr(torch, cfg.dtype)  # the config's dtype names are torch's
-        self.model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)
         # Tensor parallelism: the workers load their shards while this process loads rank 0's.
         self.workers = Workers(cfg, self.model_dir) if cfg.tensor_parallel_size > 1 else None
         try:
