@@ -41,6 +41,7 @@ def generate(base: Path, adapters: dict[str, Path], requests: list[str | None],
              max_tokens: list[int] | None = None, **engine_args):
     from engine import LLM, SamplingParams
 
+    engine_args.setdefault("dtype", "float32")  # compared with the CPU's and peft's
     llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, **engine_args)
     for name, path in adapters.items():
         llm.load_adapter(name, path)
@@ -100,7 +101,8 @@ def test_extend_graphs_match_cpu(tiny):
     requests = [None, "all8", None, None, "all8", None]
     outs, replays = {}, []
     for device in ("cpu", "cuda"):
-        llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device)
+        llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device,
+                  dtype="float32")
         for name, path in adapters.items():
             llm.load_adapter(name, path)
         if device == "cuda":  # count the chunks that replayed a graph
@@ -130,7 +132,7 @@ def test_piecewise_graphs_match_cpu(tiny):
 
     def run(**engine_args):
         llm = LLM(model=str(base), max_num_seqs=4, num_pages=64, page_size=16,
-                  max_num_batched_tokens=48, **engine_args)
+                  max_num_batched_tokens=48, dtype="float32", **engine_args)
         for name, path in adapters.items():
             llm.load_adapter(name, path)
         replays: list[tuple[int, bool]] = []  # (tokens, with LoRA rows) of each replay
@@ -169,7 +171,7 @@ def _speculating_engine(base: Path, adapters: dict[str, Path], device: str):
     from engine import LLM
 
     llm = LLM(model=str(base), max_num_seqs=8, num_pages=64, page_size=16, device=device,
-              num_speculative_tokens=4)
+              dtype="float32", num_speculative_tokens=4)
     for name, path in adapters.items():
         llm.load_adapter(name, path)
     return llm
