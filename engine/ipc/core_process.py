@@ -49,6 +49,7 @@ def core_main(config: EngineConfig, address: str, authkey: bytes, parent_pid: in
               engine_factory: Any = None) -> None:
     """The process's entry point (multiprocessing "spawn")."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s engine-core %(message)s")
+    logging.getLogger("engine").setLevel(logging.INFO)  # start-up choices (auto settings)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     watch_parent(parent_pid)
     CoreServer(config, address, authkey, engine_factory).serve()
