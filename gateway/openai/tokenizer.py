@@ -55,10 +55,11 @@ class GatewayTokenizer:
         extra: dict[str, object] = {**(template_kwargs or {})}
         if tools:
             extra["tools"] = tools
+        if continue_final:
+            extra["continue_final_message"] = True
         try:
             text = self.hf.apply_chat_template(
-                messages, add_generation_prompt=not continue_final,
-                continue_final_message=continue_final, tokenize=False, **extra
+                messages, add_generation_prompt=not continue_final, tokenize=False, **extra
             )
         except Exception as e:  # jinja raises for conversations the template refuses
             raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from e
