@@ -14,7 +14,9 @@ grid reads faster). Graphs are keyed `(size, LoRA kernel or None)`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -42,6 +44,23 @@ def capture_graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     with torch.cuda.graph(graph, pool=pool):
         out = forward()
     return graph, out
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect garbage, then keep the cyclic collector off while graphs are captured. A dead
+    engine's graphs freed by a collection that runs mid-capture destroy their graph execs, which
+    CUDA forbids while a stream captures: the capture fails, and the CUDA generator is left in
+    capture state for every later random draw. (torch 2.13 no longer collects on entering
+    `torch.cuda.graph`.)"""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def stage_segments(h: dict[str, np.ndarray], slots: list[int], capacity: int) -> int:
@@ -97,10 +116,11 @@ class GraphSet:
         """Capture every size, largest first so the smaller graphs reuse its memory pool."""
         pool = torch.cuda.graph_pool_handle()
         variants = (None, *self.lora_kernels) if self.lora is not None else (None,)
-        for b in reversed(self.sizes):
-            for kernel in variants:
-                self._set_lora(b, kernel)
-                self.graphs[(b, kernel)] = capture_graph(lambda b=b: self._forward(b), pool)
+        with gc_paused():
+            for b in reversed(self.sizes):
+                for kernel in variants:
+                    self._set_lora(b, kernel)
+                    self.graphs[(b, kernel)] = capture_graph(lambda b=b: self._forward(b), pool)
         if self.lora is not None:
             self.lora.info = None
         torch.cuda.synchronize()

@@ -31,7 +31,7 @@ from typing import cast
 
 import torch
 
-from engine.runner.cuda_graphs import capture_graph
+from engine.runner.cuda_graphs import capture_graph, gc_paused
 from engine.runner.models.llama import DecoderLayer, LlamaForCausalLM
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.seg_lora import MAX_ROWS, segment_table
@@ -104,12 +104,13 @@ class PiecewiseGraphs:
         largest first so the smaller sizes reuse its memory pool (the pieces' outputs live in
         the static buffers, outside it)."""
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):
-            for lora in (False, True) if self.lora is not None else (False,):
-                self._set_lora(b, lora)
-                self.graphs[(b, lora)] = [
-                    capture_graph(lambda i=i, b=b: self._piece(i, b), pool)[0]
-                    for i in range(len(self.layers) + 1)]
+        with gc_paused():
+            for b in reversed(self.sizes):
+                for lora in (False, True) if self.lora is not None else (False,):
+                    self._set_lora(b, lora)
+                    self.graphs[(b, lora)] = [
+                        capture_graph(lambda i=i, b=b: self._piece(i, b), pool)[0]
+                        for i in range(len(self.layers) + 1)]
         self._set_lora(0, False)
         torch.cuda.synchronize()
 
