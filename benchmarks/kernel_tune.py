@@ -232,31 +232,36 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
     cfg = ModelConfig(vocab_size=1, hidden_size=HIDDEN, intermediate_size=INTER,
                       num_layers=layers, num_heads=H, num_kv_heads=KVH, head_dim=D,
                       max_position=1)
-    slots = LoraSlots(cfg, batch, RANK, BF16, "cuda")
+    slots = LoraSlots(cfg, batch, RANK, BF16, "cuda")  # BGMV's padded stacks
     for stack in (s for layer in slots.layers for s in layer.values()):
         stack.a.normal_(0, stack.a.shape[2] ** -0.5)
         stack.b.normal_(0, 0.02)
     slots.scales.fill_(2.0)
-    xs = {f: torch.randn(batch, s.a.shape[2], device="cuda", dtype=BF16)
-          for f, s in slots.layers[0].items()}
-    ys = {f: torch.randn(batch, s.b.shape[1], device="cuda", dtype=BF16)
-          for f, s in slots.layers[0].items()}
+    # The segmented kernels' adapter pools: `batch` rank-RANK adapters side by side.
+    shapes = {"qkv_proj": (HIDDEN, (H * D, KVH * D, KVH * D)), "o_proj": (H * D, (HIDDEN,)),
+              "gate_up_proj": (HIDDEN, (INTER, INTER)), "down_proj": (INTER, (HIDDEN,))}
+    pools = [{f: _pool(batch, RANK, k, sizes) for f, (k, sizes) in shapes.items()}
+             for _ in range(layers)]
+    as_int = dict(dtype=torch.int32, device="cuda")
+    starts = torch.arange(batch, **as_int) * RANK
+    ranks = torch.full((batch,), RANK, **as_int)
+    xs = {f: torch.randn(batch, k, device="cuda", dtype=BF16) for f, (k, _) in shapes.items()}
+    ys = {f: torch.randn(batch, sum(sizes), device="cuda", dtype=BF16)
+          for f, (_, sizes) in shapes.items()}
     io_bytes = layers * sum(xs[f].nbytes + 2 * ys[f].nbytes for f in xs)
-    slot_bytes = sum(s.a[0].nbytes + s.b[0].nbytes for layer in slots.layers
-                     for s in layer.values())
+    slot_bytes = sum(a.nbytes + b.nbytes for layer in pools for a, b, _ in layer.values()) // batch
 
     def graph_time(apply) -> float:
         def one_pass():
             for i in range(layers):
-                for f, s in slots.layers[i].items():
-                    apply(ys[f], xs[f], s)
+                for f in shapes:
+                    apply(ys[f], xs[f], i, f)
         one_pass()  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             one_pass()
         return bench(graph.replay)
 
-    as_int = dict(dtype=torch.int32, device="cuda")
     mixes = {}
     for d in (1, 8, 16, 32, 64):
         rows = [i * d // batch for i in range(batch)]
@@ -268,10 +273,11 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
         out = {}
         for d, (rows, indptr, seg_slots) in mixes.items():
             if shrink_cfg is None:  # BGMV over the per-token slots
-                out[d] = graph_time(partial(_bgmv_apply, scales=slots.scales, token_slots=rows))
+                out[d] = graph_time(partial(_bgmv_apply, slots=slots, token_slots=rows))
             else:
-                out[d] = graph_time(partial(_seg_apply, scales=slots.scales, indptr=indptr,
-                                            seg_slots=seg_slots, configs=(shrink_cfg, expand_cfg)))
+                out[d] = graph_time(partial(
+                    _seg_apply, pools=pools, starts=starts, ranks=ranks, scales=slots.scales,
+                    indptr=indptr, seg_slots=seg_slots, configs=(shrink_cfg, expand_cfg)))
         return out
 
     results = {"bgmv": times()}
@@ -309,13 +315,24 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
     return report
 
 
-def _bgmv_apply(y, x, stack, scales, token_slots) -> None:
+def _pool(num_adapters: int, rank: int, k: int, sizes: tuple[int, ...]):
+    """(a_pool [U, S, K], b_pool [U, sum(sizes)], sizes) of `num_adapters` adapters of `rank`."""
+    u = num_adapters * rank
+    a = torch.empty(u, len(sizes), k, device="cuda", dtype=BF16).normal_(0, k**-0.5)
+    b = torch.empty(u, sum(sizes), device="cuda", dtype=BF16).normal_(0, 0.02)
+    return a, b, sizes
+
+
+def _bgmv_apply(y, x, layer, fused, slots, token_slots) -> None:
+    stack = slots.layers[layer][fused]
     t = bgmv.bgmv_shrink_triton(x, stack.a, token_slots)
-    bgmv.bgmv_expand_slices_triton(y, t, stack.b, stack.sizes, token_slots, scales)
+    bgmv.bgmv_expand_slices_triton(y, t, stack.b, stack.sizes, token_slots, slots.scales)
 
 
-def _seg_apply(y, x, stack, scales, indptr, seg_slots, configs) -> None:
-    seg_lora.seg_lora_triton(y, x, stack.a, stack.b, stack.sizes, indptr, seg_slots, scales,
+def _seg_apply(y, x, layer, fused, pools, starts, ranks, scales, indptr, seg_slots,
+               configs) -> None:
+    a, b, sizes = pools[layer][fused]
+    seg_lora.seg_lora_triton(y, x, a, b, sizes, starts, ranks, RANK, indptr, seg_slots, scales,
                              seg_lora.MAX_ROWS, *configs)
 
 
