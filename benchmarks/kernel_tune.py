@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 import triton
+from lora_pools import side_by_side
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
@@ -232,24 +233,17 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
     cfg = ModelConfig(vocab_size=1, hidden_size=HIDDEN, intermediate_size=INTER,
                       num_layers=layers, num_heads=H, num_kv_heads=KVH, head_dim=D,
                       max_position=1)
-    slots = LoraSlots(cfg, batch, RANK, BF16, "cuda")  # BGMV's padded stacks
-    for stack in (s for layer in slots.layers for s in layer.values()):
-        stack.a.normal_(0, stack.a.shape[2] ** -0.5)
-        stack.b.normal_(0, 0.02)
-    slots.scales.fill_(2.0)
-    # The segmented kernels' adapter pools: `batch` rank-RANK adapters side by side.
+    # `batch` rank-RANK adapters side by side in the pools, which both kernels read.
+    slots = side_by_side(LoraSlots(cfg, batch, batch * RANK, RANK, BF16, "cuda"), RANK)
     shapes = {"qkv_proj": (HIDDEN, (H * D, KVH * D, KVH * D)), "o_proj": (H * D, (HIDDEN,)),
               "gate_up_proj": (HIDDEN, (INTER, INTER)), "down_proj": (INTER, (HIDDEN,))}
-    pools = [{f: _pool(batch, RANK, k, sizes) for f, (k, sizes) in shapes.items()}
-             for _ in range(layers)]
     as_int = dict(dtype=torch.int32, device="cuda")
-    starts = torch.arange(batch, **as_int) * RANK
-    ranks = torch.full((batch,), RANK, **as_int)
     xs = {f: torch.randn(batch, k, device="cuda", dtype=BF16) for f, (k, _) in shapes.items()}
     ys = {f: torch.randn(batch, sum(sizes), device="cuda", dtype=BF16)
           for f, (_, sizes) in shapes.items()}
     io_bytes = layers * sum(xs[f].nbytes + 2 * ys[f].nbytes for f in xs)
-    slot_bytes = sum(a.nbytes + b.nbytes for layer in pools for a, b, _ in layer.values()) // batch
+    slot_bytes = sum(p.a.nbytes + p.b.nbytes for layer in slots.layers
+                     for p in layer.values()) // batch
 
     def graph_time(apply) -> float:
         def one_pass():
@@ -276,8 +270,8 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
                 out[d] = graph_time(partial(_bgmv_apply, slots=slots, token_slots=rows))
             else:
                 out[d] = graph_time(partial(
-                    _seg_apply, pools=pools, starts=starts, ranks=ranks, scales=slots.scales,
-                    indptr=indptr, seg_slots=seg_slots, configs=(shrink_cfg, expand_cfg)))
+                    _seg_apply, slots=slots, indptr=indptr, seg_slots=seg_slots,
+                    configs=(shrink_cfg, expand_cfg)))
         return out
 
     results = {"bgmv": times()}
@@ -315,25 +309,17 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
     return report
 
 
-def _pool(num_adapters: int, rank: int, k: int, sizes: tuple[int, ...]):
-    """(a_pool [U, S, K], b_pool [U, sum(sizes)], sizes) of `num_adapters` adapters of `rank`."""
-    u = num_adapters * rank
-    a = torch.empty(u, len(sizes), k, device="cuda", dtype=BF16).normal_(0, k**-0.5)
-    b = torch.empty(u, sum(sizes), device="cuda", dtype=BF16).normal_(0, 0.02)
-    return a, b, sizes
-
-
 def _bgmv_apply(y, x, layer, fused, slots, token_slots) -> None:
-    stack = slots.layers[layer][fused]
-    t = bgmv.bgmv_shrink_triton(x, stack.a, token_slots)
-    bgmv.bgmv_expand_slices_triton(y, t, stack.b, stack.sizes, token_slots, slots.scales)
+    pool, table = slots.layers[layer][fused], slots.tables[fused]
+    t = bgmv.bgmv_shrink_triton(x, pool.a, table.starts, table.ranks, RANK, token_slots)
+    bgmv.bgmv_expand_slices_triton(y, t, pool.b, pool.sizes, table.starts, table.ranks,
+                                   token_slots, slots.scales)
 
 
-def _seg_apply(y, x, layer, fused, pools, starts, ranks, scales, indptr, seg_slots,
-               configs) -> None:
-    a, b, sizes = pools[layer][fused]
-    seg_lora.seg_lora_triton(y, x, a, b, sizes, starts, ranks, RANK, indptr, seg_slots, scales,
-                             seg_lora.MAX_ROWS, *configs)
+def _seg_apply(y, x, layer, fused, slots, indptr, seg_slots, configs) -> None:
+    pool, table = slots.layers[layer][fused], slots.tables[fused]
+    seg_lora.seg_lora_triton(y, x, pool.a, pool.b, pool.sizes, table.starts, table.ranks, RANK,
+                             indptr, seg_slots, slots.scales, seg_lora.MAX_ROWS, *configs)
 
 
 def step_profile(copy_bw: float, unfused: bool) -> dict:
@@ -353,12 +339,8 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
     for p in model.parameters():
         torch.nn.init.normal_(p, 0, 0.02)
     model.init_rope()
-    slots = LoraSlots(cfg, 64, RANK, BF16, "cuda")
-    for layer in slots.layers:
-        for stack in layer.values():
-            torch.nn.init.normal_(stack.a, 0, 0.02)
-            torch.nn.init.normal_(stack.b, 0, 0.02)
-    slots.scales.fill_(1.0)
+    slots = side_by_side(LoraSlots(cfg, 64, 64 * RANK, RANK, BF16, "cuda"), RANK, scale=1.0,
+                         a_std=0.02)
     lora = wrap_model(model, slots)
     weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
     results = {}
