@@ -163,6 +163,8 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
     tokens, slots, layers = 64, 64, 8
     idx = torch.randperm(slots, device="cuda").to(torch.int32)
     scales = torch.ones(slots, device="cuda")
+    starts = torch.arange(slots, device="cuda", dtype=torch.int32) * RANK  # side by side
+    ranks = torch.full_like(starts, RANK)
     shrinks = {"qkv": (3 * RANK, HIDDEN), "gate_up": (2 * RANK, HIDDEN), "o": (RANK, HIDDEN),
                "down": (RANK, INTER)}
     expands = {"o": (HIDDEN,), "down": (HIDDEN,), "qkv": (HIDDEN, KVH * D, KVH * D),
@@ -191,18 +193,19 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
         return [torch.randn(*shape, device="cuda", dtype=BF16) for _ in range(layers)]
 
     results = {}
-    for name, (n, k) in shrinks.items():
-        a, x, t = randn(slots, n, k), randn(tokens, k), randn(tokens, n)
+    for name, (n, k) in shrinks.items():  # a_pool [U, S, K]
+        a, x, t = randn(slots * RANK, n // RANK, k), randn(tokens, k), randn(tokens, n)
         sweep(f"shrink {name}", shrink_cfgs,
-              lambda c, a=a, x=x, t=t: [bgmv._launch(x[i], a[i], t[i], idx, None, c)
-                                        for i in range(layers)],
+              lambda c, a=a, x=x, t=t: [bgmv._launch(x[i], a[i], t[i], starts, ranks, RANK,
+                                                     idx, None, c) for i in range(layers)],
               sum(u.nbytes for u in a + x + t), bgmv.SHRINK_CONFIG)
-    for name, sizes in expands.items():
+    for name, sizes in expands.items():  # b_pool [U, N]
         n, sliced = sum(sizes), sizes if len(sizes) > 1 else ()
-        b, t, y = randn(slots, n, RANK), randn(tokens, RANK * len(sizes)), randn(tokens, n)
+        b, t, y = randn(slots * RANK, n), randn(tokens, RANK * len(sizes)), randn(tokens, n)
         sweep(f"expand {name}", expand_cfgs,
               lambda c, b=b, t=t, y=y, sliced=sliced: [
-                  bgmv._launch(t[i], b[i], y[i], idx, scales, c, sliced) for i in range(layers)],
+                  bgmv._launch(t[i], b[i], y[i], starts, ranks, RANK, idx, scales, c, sliced)
+                  for i in range(layers)],
               sum(u.nbytes for u in b + t) + 2 * sum(u.nbytes for u in y), bgmv.EXPAND_CONFIG)
     for name, r in results.items():
         r["bw_fraction"] = r["bytes"] / (r["us"] * 1e-6) / copy_bw
