@@ -33,8 +33,8 @@ def test_interleaved_decodes_use_bgmv_and_base_only_has_no_lora():
 
 
 def test_sgmv_and_bgmv_paths_agree():
-    """Both kernels over one pool of adapters at ranks 2 and 5 and an empty slot, with garbage in the rows
-    no adapter owns."""
+    """Both kernels over one pool of adapters at ranks 2 and 5 and an empty slot, with garbage
+    in the rows no adapter owns."""
     gen = torch.Generator().manual_seed(0)
     info = LoraBatchInfo.build([1, -1, 2, 1, 3], [4, 2, 1, 3, 5])
     x = torch.randn(15, 32, generator=gen)
