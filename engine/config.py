@@ -177,8 +177,9 @@ class EngineConfig(BaseModel):
         128, ge=1, le=512, metavar="R", help="largest adapter rank served")
     lora_pool_rows: int | None = setting(
         None, ge=1, help="rank rows in the device adapter pool: an adapter of rank r takes r of "
-        "them (in the projections it targets); default: 32 per --max-loras on a CPU, a tenth "
-        "of the memory left after the weights and activations on a GPU")
+        "them (in the projections it targets); default: 32 per --max-loras on a CPU; on a GPU "
+        "--max-loras x --max-lora-rank when --max-loras is given, else a tenth of the memory "
+        "left after the weights and activations")
     # None: no upload store offline; `switchboard serve` always has one (`engine_config`).
     adapter_dir: Path | None = setting(
         None, metavar="DIR", help="where uploaded adapters are stored (default: <cache dir>/"
@@ -295,10 +296,11 @@ class EngineConfig(BaseModel):
              tokens: int) -> tuple[int, int, int, str]:
         """(max_loras, lora_pool_rows, KV cache bytes, what was chosen and why)."""
         kv_given = int(self.kv_cache_gb * 2**30) if self.kv_cache_gb else None
-        if memory is None:  # a CPU: the laptop's defaults
+        r_max = self.max_lora_rank
+        if memory is None:  # a CPU: the laptop's defaults; 32 rows an adapter on average
             loras = 4 if self.max_loras is None else self.max_loras
-            rows = (self.lora_pool_rows or max(32 * loras, self.max_lora_rank)) if loras else 0
-            return loras, rows, kv_given or 2 * 2**30, ""
+            rows = self.lora_pool_rows or min(loras * r_max, max(32 * loras, r_max))
+            return loras, rows if loras else 0, kv_given or 2 * 2**30, ""
         total, free = memory
         gib = 2**30
         usable = int(self.gpu_memory_utilization * total) - (total - free)
@@ -315,8 +317,10 @@ class EngineConfig(BaseModel):
             rows = 0
         elif self.lora_pool_rows:
             rows = self.lora_pool_rows
+        elif self.max_loras is not None:  # room for that many adapters of the largest rank
+            rows = self.max_loras * r_max
         else:
-            rows = max(self.max_lora_rank, left // 10 // row_bytes)
+            rows = max(r_max, left // 10 // row_bytes)
         loras = (self.max_loras if self.max_loras is not None
                  else min(512, max(1, rows // 8)) if rows else 0)
         kv = kv_given or left - rows * row_bytes

@@ -169,6 +169,9 @@ def test_cpu_keeps_the_laptop_defaults():
     assert why == ""
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras) == (64, 512, 4)
     assert (cfg.max_cpu_loras, cfg.lora_pool_rows, cfg.max_lora_rank) == (16, 128, 128)
+    two, _ = EngineConfig(device="cpu", dtype="float32", max_loras=2,
+                          max_lora_rank=16).resolve(LLAMA3_8B, "cpu")
+    assert (two.max_loras, two.lora_pool_rows) == (2, 32)
     page = 2 * 32 * 8 * 128 * 4 * 16
     assert cfg.num_pages == 2 * GIB // page
 
@@ -197,6 +200,9 @@ def test_gpu_memory_is_shared_by_the_adapter_pool_and_the_kv_cache():
     assert fixed.lora_pool_rows == 0 and fixed.max_loras == 0
     left = int(0.5 * total) - (total - free) - base._activation_bytes(LLAMA3_8B, 256, 8192)
     assert fixed.num_pages == left // base._page_bytes(LLAMA3_8B)
+    slots, _ = EngineConfig(device="cuda", dtype="bfloat16", max_loras=64,
+                            max_lora_rank=16).resolve(LLAMA3_8B, "cuda", (total, free))
+    assert (slots.max_loras, slots.lora_pool_rows) == (64, 64 * 16)  # each at the largest rank
     given, _ = EngineConfig(device="cuda", dtype="bfloat16", max_loras=16, lora_pool_rows=512,
                             kv_cache_gb=10).resolve(LLAMA3_8B, "cuda", (total, free))
     assert (given.max_loras, given.lora_pool_rows) == (16, 512)
