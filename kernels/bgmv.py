@@ -354,6 +354,7 @@ def _bgmv_kernel(
     tok, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(idx_ptr + tok)
     rank = tl.load(ranks_ptr + slot, mask=slot >= 0, other=0)  # a base row has rank 0
+    start = tl.load(starts_ptr + slot, mask=slot >= 0, other=0)  # in flight with the rank
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
@@ -376,7 +377,7 @@ def _bgmv_kernel(
         if SHRINK:  # expand leaves the row alone, shrink writes zeros
             tl.store(out_ptrs, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=col_ok)
         return
-    w_base = w_ptr + tl.load(starts_ptr + slot).to(tl.int64) * s_w_u
+    w_base = w_ptr + start.to(tl.int64) * s_w_u
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     in_row = in_ptr + tok * s_in_t
     if SLICED:  # column c reads the slice of inp that its output slice owns

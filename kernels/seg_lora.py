@@ -291,7 +291,9 @@ def _shrink_kernel(
     slot = tl.load(slots_ptr + seg)
     start = tl.load(indptr_ptr + seg)
     end = tl.load(indptr_ptr + seg + 1)
+    # The slot's rank and rows, loaded together (each a dependent load after the slot's).
     rank = tl.where(slot >= 0, tl.load(ranks_ptr + tl.maximum(slot, 0)), 0)
+    u = tl.load(starts_ptr + tl.maximum(slot, 0)).to(tl.int64)
     # The tile's least rank index: that of its first column, unless the next slice starts
     # inside it (then 0). Tiles with every column at i >= rank exit before loading.
     col0 = pid_n * BLOCK_N
@@ -300,7 +302,6 @@ def _shrink_kernel(
     min_i = tl.where((next_slice < col0 + BLOCK_N) & (next_slice < N), 0, i0)
     if (start >= end) | (min_i >= rank):
         return
-    u = tl.load(starts_ptr + slot).to(tl.int64)
     rows = start + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, BLOCK_N)
     j, i = cols // R, cols % R  # each column's slice and rank index
@@ -350,10 +351,11 @@ def _expand_kernel(
     slot = tl.load(slots_ptr + seg)
     start = tl.load(indptr_ptr + seg)
     end = tl.load(indptr_ptr + seg + 1)
+    # The slot's rank and rows, loaded together (each a dependent load after the slot's).
     rank = tl.where(slot >= 0, tl.load(ranks_ptr + tl.maximum(slot, 0)), 0)
+    u = tl.load(starts_ptr + tl.maximum(slot, 0)).to(tl.int64)
     if (start >= end) | (rank <= 0):
         return
-    u = tl.load(starts_ptr + slot).to(tl.int64)
     rows = start + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_R)

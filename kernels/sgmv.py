@@ -28,6 +28,8 @@ axis on W's rows (shrink) or columns (expand), so one Triton kernel serves both.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -222,6 +224,9 @@ def _launch(
     w_strides = (w.stride(0), w.stride(1), w.stride(2) if shrink else w.stride(0))
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    if inp.is_cuda:  # as many pipeline stages as shared memory holds (fp32 tiles are twice bf16's)
+        stage = (block_m * block_k + block_k * block_n) * max(inp.element_size(), w.element_size())
+        num_stages = max(1, min(num_stages, _shared_memory(inp.device.index) // stage))
     grid = (triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n), num_segments)
     _sgmv_kernel[grid](
         inp,
@@ -248,6 +253,13 @@ def _launch(
         BLOCK_K=block_k,
         num_stages=num_stages,
     )
+
+
+@functools.cache
+def _shared_memory(device: int | None) -> int:
+    """Bytes of shared memory one program may use on this GPU."""
+    index = torch.cuda.current_device() if device is None else device
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages), from a sweep on an H100 (bf16, H=4096, out=6144,
@@ -293,7 +305,8 @@ def _sgmv_kernel(
     row0 = start + pid_m * BLOCK_M
     if (slot < 0) | (row0 >= end):
         return
-    rank = tl.load(ranks_ptr + slot)
+    rank = tl.load(ranks_ptr + slot)  # loaded together with its rows' start
+    w_base = w_ptr + tl.load(starts_ptr + slot).to(tl.int64) * s_w_u
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -314,7 +327,6 @@ def _sgmv_kernel(
         dead = rank == 0
     if dead:
         return  # no weight of this adapter in the tile
-    w_base = w_ptr + tl.load(starts_ptr + slot).to(tl.int64) * s_w_u
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         k_ok = (k0 + ks) < k_end
