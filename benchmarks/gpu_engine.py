@@ -29,6 +29,7 @@ from gpu_common import (
     weight_bytes,
     write_adapter,
 )
+from lora_pools import side_by_side
 
 from engine import LLM
 from engine.spec.speculative import Speculator
@@ -211,12 +212,8 @@ def lora_kernel(s: Section, cfg, bw: float, batch: int = 64) -> None:
     own adapter, with the kernel the decode graphs replay for such a step (`graph_kernel`):
     each slot's weights read once per pass (1 GB+, far past L2)."""
     small = dataclasses.replace(cfg, num_layers=8)
-    slots = LoraSlots(small, batch, RANK, torch.bfloat16, "cuda")
-    for layer in slots.layers:
-        for stack in layer.values():
-            stack.a.normal_(0, stack.a.shape[2] ** -0.5)
-            stack.b.normal_(0, 0.02)
-    slots.scales.fill_(2.0)
+    slots = side_by_side(LoraSlots(small, batch, batch * RANK, RANK, torch.bfloat16, "cuda"),
+                         RANK)
     def ints(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device="cuda")
 

@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 import triton
+from lora_pools import side_by_side
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
@@ -162,6 +163,8 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
     tokens, slots, layers = 64, 64, 8
     idx = torch.randperm(slots, device="cuda").to(torch.int32)
     scales = torch.ones(slots, device="cuda")
+    starts = torch.arange(slots, device="cuda", dtype=torch.int32) * RANK  # side by side
+    ranks = torch.full_like(starts, RANK)
     shrinks = {"qkv": (3 * RANK, HIDDEN), "gate_up": (2 * RANK, HIDDEN), "o": (RANK, HIDDEN),
                "down": (RANK, INTER)}
     expands = {"o": (HIDDEN,), "down": (HIDDEN,), "qkv": (HIDDEN, KVH * D, KVH * D),
@@ -190,18 +193,19 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
         return [torch.randn(*shape, device="cuda", dtype=BF16) for _ in range(layers)]
 
     results = {}
-    for name, (n, k) in shrinks.items():
-        a, x, t = randn(slots, n, k), randn(tokens, k), randn(tokens, n)
+    for name, (n, k) in shrinks.items():  # a_pool [U, S, K]
+        a, x, t = randn(slots * RANK, n // RANK, k), randn(tokens, k), randn(tokens, n)
         sweep(f"shrink {name}", shrink_cfgs,
-              lambda c, a=a, x=x, t=t: [bgmv._launch(x[i], a[i], t[i], idx, None, c)
-                                        for i in range(layers)],
+              lambda c, a=a, x=x, t=t: [bgmv._launch(x[i], a[i], t[i], starts, ranks, RANK,
+                                                     idx, None, c) for i in range(layers)],
               sum(u.nbytes for u in a + x + t), bgmv.SHRINK_CONFIG)
-    for name, sizes in expands.items():
+    for name, sizes in expands.items():  # b_pool [U, N]
         n, sliced = sum(sizes), sizes if len(sizes) > 1 else ()
-        b, t, y = randn(slots, n, RANK), randn(tokens, RANK * len(sizes)), randn(tokens, n)
+        b, t, y = randn(slots * RANK, n), randn(tokens, RANK * len(sizes)), randn(tokens, n)
         sweep(f"expand {name}", expand_cfgs,
               lambda c, b=b, t=t, y=y, sliced=sliced: [
-                  bgmv._launch(t[i], b[i], y[i], idx, scales, c, sliced) for i in range(layers)],
+                  bgmv._launch(t[i], b[i], y[i], starts, ranks, RANK, idx, scales, c, sliced)
+                  for i in range(layers)],
               sum(u.nbytes for u in b + t) + 2 * sum(u.nbytes for u in y), bgmv.EXPAND_CONFIG)
     for name, r in results.items():
         r["bw_fraction"] = r["bytes"] / (r["us"] * 1e-6) / copy_bw
@@ -232,31 +236,29 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
     cfg = ModelConfig(vocab_size=1, hidden_size=HIDDEN, intermediate_size=INTER,
                       num_layers=layers, num_heads=H, num_kv_heads=KVH, head_dim=D,
                       max_position=1)
-    slots = LoraSlots(cfg, batch, RANK, BF16, "cuda")
-    for stack in (s for layer in slots.layers for s in layer.values()):
-        stack.a.normal_(0, stack.a.shape[2] ** -0.5)
-        stack.b.normal_(0, 0.02)
-    slots.scales.fill_(2.0)
-    xs = {f: torch.randn(batch, s.a.shape[2], device="cuda", dtype=BF16)
-          for f, s in slots.layers[0].items()}
-    ys = {f: torch.randn(batch, s.b.shape[1], device="cuda", dtype=BF16)
-          for f, s in slots.layers[0].items()}
+    # `batch` rank-RANK adapters side by side in the pools, which both kernels read.
+    slots = side_by_side(LoraSlots(cfg, batch, batch * RANK, RANK, BF16, "cuda"), RANK)
+    shapes = {"qkv_proj": (HIDDEN, (H * D, KVH * D, KVH * D)), "o_proj": (H * D, (HIDDEN,)),
+              "gate_up_proj": (HIDDEN, (INTER, INTER)), "down_proj": (INTER, (HIDDEN,))}
+    as_int = dict(dtype=torch.int32, device="cuda")
+    xs = {f: torch.randn(batch, k, device="cuda", dtype=BF16) for f, (k, _) in shapes.items()}
+    ys = {f: torch.randn(batch, sum(sizes), device="cuda", dtype=BF16)
+          for f, (_, sizes) in shapes.items()}
     io_bytes = layers * sum(xs[f].nbytes + 2 * ys[f].nbytes for f in xs)
-    slot_bytes = sum(s.a[0].nbytes + s.b[0].nbytes for layer in slots.layers
-                     for s in layer.values())
+    slot_bytes = sum(p.a.nbytes + p.b.nbytes for layer in slots.layers
+                     for p in layer.values()) // batch
 
     def graph_time(apply) -> float:
         def one_pass():
             for i in range(layers):
-                for f, s in slots.layers[i].items():
-                    apply(ys[f], xs[f], s)
+                for f in shapes:
+                    apply(ys[f], xs[f], i, f)
         one_pass()  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             one_pass()
         return bench(graph.replay)
 
-    as_int = dict(dtype=torch.int32, device="cuda")
     mixes = {}
     for d in (1, 8, 16, 32, 64):
         rows = [i * d // batch for i in range(batch)]
@@ -268,10 +270,11 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
         out = {}
         for d, (rows, indptr, seg_slots) in mixes.items():
             if shrink_cfg is None:  # BGMV over the per-token slots
-                out[d] = graph_time(partial(_bgmv_apply, scales=slots.scales, token_slots=rows))
+                out[d] = graph_time(partial(_bgmv_apply, slots=slots, token_slots=rows))
             else:
-                out[d] = graph_time(partial(_seg_apply, scales=slots.scales, indptr=indptr,
-                                            seg_slots=seg_slots, configs=(shrink_cfg, expand_cfg)))
+                out[d] = graph_time(partial(
+                    _seg_apply, slots=slots, indptr=indptr, seg_slots=seg_slots,
+                    configs=(shrink_cfg, expand_cfg)))
         return out
 
     results = {"bgmv": times()}
@@ -309,14 +312,17 @@ def sweep_seg(copy_bw: float, quick: bool) -> dict:
     return report
 
 
-def _bgmv_apply(y, x, stack, scales, token_slots) -> None:
-    t = bgmv.bgmv_shrink_triton(x, stack.a, token_slots)
-    bgmv.bgmv_expand_slices_triton(y, t, stack.b, stack.sizes, token_slots, scales)
+def _bgmv_apply(y, x, layer, fused, slots, token_slots) -> None:
+    pool, table = slots.layers[layer][fused], slots.tables[fused]
+    t = bgmv.bgmv_shrink_triton(x, pool.a, table.starts, table.ranks, RANK, token_slots)
+    bgmv.bgmv_expand_slices_triton(y, t, pool.b, pool.sizes, table.starts, table.ranks,
+                                   token_slots, slots.scales)
 
 
-def _seg_apply(y, x, stack, scales, indptr, seg_slots, configs) -> None:
-    seg_lora.seg_lora_triton(y, x, stack.a, stack.b, stack.sizes, indptr, seg_slots, scales,
-                             seg_lora.MAX_ROWS, *configs)
+def _seg_apply(y, x, layer, fused, slots, indptr, seg_slots, configs) -> None:
+    pool, table = slots.layers[layer][fused], slots.tables[fused]
+    seg_lora.seg_lora_triton(y, x, pool.a, pool.b, pool.sizes, table.starts, table.ranks, RANK,
+                             indptr, seg_slots, slots.scales, seg_lora.MAX_ROWS, *configs)
 
 
 def step_profile(copy_bw: float, unfused: bool) -> dict:
@@ -336,12 +342,8 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
     for p in model.parameters():
         torch.nn.init.normal_(p, 0, 0.02)
     model.init_rope()
-    slots = LoraSlots(cfg, 64, RANK, BF16, "cuda")
-    for layer in slots.layers:
-        for stack in layer.values():
-            torch.nn.init.normal_(stack.a, 0, 0.02)
-            torch.nn.init.normal_(stack.b, 0, 0.02)
-    slots.scales.fill_(1.0)
+    slots = side_by_side(LoraSlots(cfg, 64, 64 * RANK, RANK, BF16, "cuda"), RANK, scale=1.0,
+                         a_std=0.02)
     lora = wrap_model(model, slots)
     weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
     results = {}

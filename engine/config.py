@@ -134,14 +134,21 @@ class EngineConfig(BaseModel):
     model: str | None = setting(
         None, metavar="PATH",
         help="HF checkpoint folder or .gguf file (default: embedded SmolLM2)")
-    max_num_seqs: int = setting(64, ge=1, help="most sequences in the running batch")
-    max_num_batched_tokens: int = setting(512, ge=1, help="token budget per engine step")
+    max_num_seqs: int | None = setting(
+        None, ge=1, help="most sequences in the running batch (default: 64 on a CPU, 256 on a "
+        "GPU)")
+    max_num_batched_tokens: int | None = setting(
+        None, ge=1, help="token budget per engine step (default: 512 on a CPU, 8192 on a GPU)")
     page_size: int = setting(16, ge=1, help="tokens per KV page")
     num_pages: int | None = setting(
         None, ge=1, alias="kv_pages", help="KV cache pages (default: sized from --kv-cache-gb)")
-    kv_cache_gb: float = setting(
-        2.0, gt=0, metavar="GB", help="KV cache budget when --kv-pages is not given (per "
-        "rank under tensor parallelism)")
+    kv_cache_gb: float | None = setting(
+        None, gt=0, metavar="GB", help="KV cache budget when --kv-pages is not given, per rank "
+        "under tensor parallelism (default: 2 on a CPU; on a GPU what --gpu-memory-utilization "
+        "leaves after the weights, the activations and the adapter pool)")
+    gpu_memory_utilization: float = setting(
+        0.9, gt=0, le=1, help="the fraction of the GPU's memory this engine may use: the "
+        "weights, activations, adapter pool and KV cache are fitted in it")
     max_model_len: int | None = setting(
         None, ge=1, help="context length cap (default: the model's, within the KV pool)")
     dtype: DtypeSetting = setting(
@@ -160,12 +167,19 @@ class EngineConfig(BaseModel):
         "(default: on CUDA, where the host's work then hides behind the device's)")
     threads: int | None = setting(
         None, ge=1, help="torch CPU threads (default: torch's choice, one per core)")
-    max_loras: int = setting(
-        4, ge=0, help="LoRA adapters resident in device slots (0: base model only)")
-    max_cpu_loras: int = setting(
-        16, ge=0, help="LoRA adapters cached in host memory (>= --max-loras)")
+    max_loras: int | None = setting(
+        None, ge=0, help="LoRA adapters resident on the device at once (0: base model only; "
+        "default: 4 on a CPU, on a GPU one per 8 rows of the adapter pool, at most 512)")
+    max_cpu_loras: int | None = setting(
+        None, ge=0, help="LoRA adapters cached in host memory (default: 16, at least "
+        "--max-loras)")
     max_lora_rank: int = setting(
-        16, ge=1, le=512, metavar="R", help="largest adapter rank served (the slot width)")
+        128, ge=1, le=512, metavar="R", help="largest adapter rank served")
+    lora_pool_rows: int | None = setting(
+        None, ge=1, help="rank rows in the device adapter pool: an adapter of rank r takes r of "
+        "them (in the projections it targets); default: 32 per --max-loras on a CPU; on a GPU "
+        "--max-loras x --max-lora-rank when --max-loras is given, else a tenth of the memory "
+        "left after the weights and activations")
     # None: no upload store offline; `switchboard serve` always has one (`engine_config`).
     adapter_dir: Path | None = setting(
         None, metavar="DIR", help="where uploaded adapters are stored (default: <cache dir>/"
@@ -209,7 +223,8 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_loras(self) -> EngineConfig:
-        if self.max_cpu_loras < self.max_loras:
+        if (self.max_cpu_loras is not None and self.max_loras is not None
+                and self.max_cpu_loras < self.max_loras):
             raise ValueError("max_cpu_loras must be >= max_loras")
         if self.kv_disk_dir is not None and not (self.host_kv_gb or self.host_kv_pages):
             raise ValueError("kv_disk_dir needs a host tier (host_kv_gb or host_kv_pages)")
@@ -241,14 +256,28 @@ class EngineConfig(BaseModel):
         settled = self.model_copy(update={"device": device, "dtype": dtype})
         return settled, "; ".join(why)
 
-    def resolve(self, model: ModelConfig, device: str) -> ResolvedConfig:
+    def resolve(self, model: ModelConfig, device: str,
+                memory: tuple[int, int] | None = None) -> tuple[ResolvedConfig, str]:
         """This config with every "auto" setting settled for `model` on `device` (a device
-        type: "cpu", "cuda"). The engine calls it once, after loading the model, and reads only
-        the settled config."""
-        num_pages = self.num_pages or self._pages_for_budget(model)
+        type: "cpu", "cuda"), and a line saying what the memory sizing chose ("" when none ran).
+        `memory`: on a GPU, its (total, free) bytes once the weights are loaded; the adapter
+        pool and the KV cache are then fitted in `gpu_memory_utilization`. The engine calls it
+        once, after loading the model, and reads only the settled config."""
         on_cuda = device == "cuda"
+        seqs = self.max_num_seqs or (256 if on_cuda else 64)
+        tokens = self.max_num_batched_tokens or (8192 if on_cuda else 512)
+        loras, rows, kv_bytes, why = self._fit(model, memory, seqs, tokens)
+        num_pages = self.num_pages or max(1, kv_bytes // self._page_bytes(model))
+        if why:
+            why += (f"; KV cache {kv_bytes / 2**30:.1f} GiB ({num_pages:,} pages of "
+                    f"{self.page_size} tokens)")
         return ResolvedConfig(**{
             **self.model_dump(),
+            "max_num_seqs": seqs,
+            "max_num_batched_tokens": tokens,
+            "max_loras": loras,
+            "max_cpu_loras": max(self.max_cpu_loras or 16, loras),
+            "lora_pool_rows": rows,
             "num_pages": num_pages,
             "max_model_len": min(self.max_model_len or model.max_position,
                                  num_pages * self.page_size),
@@ -261,11 +290,68 @@ class EngineConfig(BaseModel):
             "cuda_graphs": on_cuda if self.cuda_graphs is None else self.cuda_graphs,
             "overlap_schedule": on_cuda if self.overlap_schedule is None
             else self.overlap_schedule,
-        })
+        }), why
 
-    def _pages_for_budget(self, model: ModelConfig) -> int:
-        """Pages whose K and V, over all layers, fit in `kv_cache_gb`."""
-        return max(1, int(self.kv_cache_gb * 2**30) // self._page_bytes(model))
+    def _fit(self, model: ModelConfig, memory: tuple[int, int] | None, seqs: int,
+             tokens: int) -> tuple[int, int, int, str]:
+        """(max_loras, lora_pool_rows, KV cache bytes, what was chosen and why)."""
+        kv_given = int(self.kv_cache_gb * 2**30) if self.kv_cache_gb else None
+        r_max = self.max_lora_rank
+        if memory is None:  # a CPU: the laptop's defaults; 32 rows an adapter on average
+            loras = 4 if self.max_loras is None else self.max_loras
+            rows = self.lora_pool_rows or min(loras * r_max, max(32 * loras, r_max))
+            return loras, rows if loras else 0, kv_given or 2 * 2**30, ""
+        total, free = memory
+        gib = 2**30
+        usable = int(self.gpu_memory_utilization * total) - (total - free)
+        reserve = self._activation_bytes(model, seqs, tokens)
+        left = usable - reserve
+        if left <= 0:
+            raise ModelLoadError(
+                f"--gpu-memory-utilization {self.gpu_memory_utilization} leaves "
+                f"{usable / gib:.1f} GiB after the weights ({(total - free) / gib:.1f} GiB in "
+                f"use), less than the {reserve / gib:.1f} GiB the activations need: raise it, or "
+                "lower --max-num-batched-tokens / --max-num-seqs")
+        row_bytes = self._lora_row_bytes(model)
+        if self.max_loras == 0:
+            rows = 0
+        elif self.lora_pool_rows:
+            rows = self.lora_pool_rows
+        elif self.max_loras is not None:  # room for that many adapters of the largest rank
+            rows = self.max_loras * r_max
+        else:
+            rows = max(r_max, left // 10 // row_bytes)
+        loras = (self.max_loras if self.max_loras is not None
+                 else min(512, max(1, rows // 8)) if rows else 0)
+        kv = kv_given or left - rows * row_bytes
+        if kv <= 0:
+            raise ModelLoadError(f"the adapter pool ({rows:,} rows, {rows * row_bytes / gib:.1f} "
+                                 f"GiB) leaves no memory for the KV cache: lower "
+                                 "--lora-pool-rows")
+        why = (f"GPU memory {total / gib:.1f} GiB x {self.gpu_memory_utilization} = "
+               f"{self.gpu_memory_utilization * total / gib:.1f} GiB: weights and context "
+               f"{(total - free) / gib:.1f} GiB, activations {reserve / gib:.1f} GiB "
+               f"({tokens:,} tokens and {seqs} sequences a step); adapter pool "
+               f"{rows * row_bytes / gib:.1f} GiB ({rows:,} rank rows, up to {loras} adapters)")
+        return loras, rows, kv, why
+
+    def _activation_bytes(self, model: ModelConfig, seqs: int, tokens: int) -> int:
+        """What a step's forward and sampling may hold beyond the pools, with margin: a
+        layer's activations for `tokens` tokens, the sampled rows' fp32 logits (three copies:
+        logits, probabilities, sorted), the CUDA graphs' pool, and 1 GiB for the rest."""
+        h, i, v = model.hidden_size, model.intermediate_size, model.vocab_size
+        layer = tokens * (6 * h + 3 * i) * DTYPE_BYTES[self.dtype]  # type: ignore[index]
+        logits = 3 * seqs * (1 + self.num_speculative_tokens) * v * 4
+        graphs = seqs * (6 * h + 3 * i) * DTYPE_BYTES[self.dtype]  # type: ignore[index]
+        return layer + logits + graphs + 2**30
+
+    def _lora_row_bytes(self, model: ModelConfig) -> int:
+        """One rank row of the adapter pool in every projection of every layer
+        (`lora.slots.LoraSlots`): lora_A's rows (in_features) and lora_B's (out_features)."""
+        h, i = model.hidden_size, model.intermediate_size
+        q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+        per_layer = (3 * h + q + 2 * kv) + (q + h) + (2 * h + 2 * i) + (i + h)
+        return per_layer * model.num_layers * DTYPE_BYTES[self.dtype]  # type: ignore[index]
 
     def _page_bytes(self, model: ModelConfig) -> int:
         """One page's K and V over all layers (`dtype` settled: `settle_device`)."""
@@ -278,6 +364,11 @@ class ResolvedConfig(EngineConfig):
     """An `EngineConfig` after `resolve`: the settings that may be "auto" are settled (these
     types say so; their defaults, bounds and help stay with `EngineConfig`)."""
 
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_loras: int
+    max_cpu_loras: int
+    lora_pool_rows: int
     num_pages: int
     max_model_len: int
     session_kv_pages: int

@@ -109,6 +109,11 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def max_num_seqs(self) -> int:
+        """The running batch's limit (the gateway's seats: it plus the queue)."""
+        ...
+
+    @property
     def model_dir(self) -> Path:
         """The HF-style folder of the served model (config.json, the tokenizer)."""
         ...

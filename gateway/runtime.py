@@ -51,7 +51,8 @@ class Runtime:
                                    config.redis_url)
         self.limiter: TenantLimiter | SharedLimiter = (
             self.cluster.limiter if self.cluster else TenantLimiter(self.auth.limits_for))
-        self.seats = Seats(lambda: self.engine.num_outstanding, config.max_num_seqs,
+        # The engine settles an "auto" batch limit when it loads (`_finish_loading`).
+        self.seats = Seats(lambda: self.engine.num_outstanding, config.max_num_seqs or 1,
                            config.max_queue)
         self.shared_adapters: SharedAdapters | None = (
             self.cluster.adapters if self.cluster else None)
@@ -109,6 +110,7 @@ class Runtime:
             if self.engine.load_error is not None:
                 raise self.engine.load_error
             self.tokenizer = await asyncio.to_thread(GatewayTokenizer.load, self.engine.model_dir)
+            self.seats.max_num_seqs = self.engine.max_num_seqs
             self.facts = EngineFacts(
                 max_model_len=self.engine.max_model_len,
                 validate=self.engine.validate,

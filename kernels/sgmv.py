@@ -1,27 +1,34 @@
 """SGMV: segmented gather matrix-vector products for multi-LoRA prefill (punica's design).
 
 Tokens of a step come in contiguous segments; every token of a segment uses the same adapter
-slot (`-1` = no adapter: its rows are left untouched). Adapter weights live in stacked slot
-buffers so that one launch serves every adapter of the batch:
+slot (`-1` = no adapter: its rows are left untouched). Adapter weights live in one pool per
+projection, each adapter at its own rank (S-LoRA style), so one launch serves every adapter of
+the batch (`spec/pool_layout.md`):
 
-    a_stack: [num_slots, r_max, H]    lora_A of each resident adapter
-    b_stack: [num_slots, N, r_max]    lora_B of each resident adapter
+    a_pool: [U, S, K]     U rank rows; S slices of a fused projection; K in_features
+    b_pool: [U, N]        lora_B transposed, fused slices' columns side by side
+    starts, ranks: [num_slots] int32, the adapter of slot s owns rows `starts[s] :
+                   starts[s] + ranks[s]` (rank 0 = empty slot)
 
-Mixed ranks are padded to `r_max` with zeros: A's extra rows give zero columns of `t`, and B's
-extra columns multiply them, so padding never changes the result. One stride for every slot
-keeps the kernels shape-static (one compile, CUDA-graph friendly) and `t` a dense
-`[T, r_max]` tensor; the cost is reading the zero rows, bounded by `--max-lora-rank`.
+so slice j of that adapter is `A_j = a_pool[u : u + r, j]` ([r, K]) and its B rows are
+`b_pool[u : u + r]`. Kernels mask the rank axis at `ranks[slot]`: they never read the pool rows
+of other adapters (or free rows holding anything), and bandwidth follows each adapter's own
+rank. The shrink output `t` is `[T, S * R]` for the launch's `max_rank` R (column `j * R + i`
+is `(A_j @ x)_i`, zero at `i >= r` and on base rows), which keeps it a dense, shape-static
+tensor (one compile, CUDA-graph friendly).
 
-Fused projections (`qkv_proj` rows `[q|k|v]`, `gate_up_proj` rows `[gate|up]`): stack the
-slices' A along the rank axis (`[num_slots, 3 * r_max, H]`) so one shrink gives `t` for all
-slices, then expand each slice's columns of `t` into its output columns with `slice_offset`
-(see `lora.batch.lora_expand_slices`).
+Fused projections (`qkv_proj` columns `[q|k|v]`, `gate_up_proj` columns `[gate|up]`): one shrink
+gives `t` for all slices, then each slice's `R` columns of `t` expand into its output columns
+with `slice_offset` and a column view of `b_pool` (see `lora.batch.lora_expand_slices`).
 
-Shrink and expand are the same product `out[rows] (+)= scale * in[rows] @ W[slot]^T`, so one
-Triton kernel serves both. The torch path (CPU) is one matmul per segment.
+Shrink and expand are the same product `out[rows] (+)= scale * in[rows] @ W^T` with the rank
+axis on W's rows (shrink) or columns (expand), so one Triton kernel serves both. The torch path
+(CPU) is one matmul per segment and slice, at the adapter's rank.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -30,32 +37,34 @@ import triton.language as tl
 
 def sgmv_shrink(
     x: torch.Tensor,
-    a_stack: torch.Tensor,
+    a_pool: torch.Tensor,
+    starts: torch.Tensor,
+    ranks: torch.Tensor,
+    max_rank: int,
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     max_seg_len: int,
 ) -> torch.Tensor:
     """t = x @ A[slot]^T per segment. Triton on CUDA, grouped torch matmuls elsewhere."""
-    if x.is_cuda:
-        return sgmv_shrink_triton(x, a_stack, seg_indptr, seg_slots, max_seg_len)
-    return sgmv_shrink_torch(x, a_stack, seg_indptr, seg_slots, max_seg_len)
+    fn = sgmv_shrink_triton if x.is_cuda else sgmv_shrink_torch
+    return fn(x, a_pool, starts, ranks, max_rank, seg_indptr, seg_slots, max_seg_len)
 
 
 def sgmv_expand(
     y: torch.Tensor,
     t: torch.Tensor,
-    b_stack: torch.Tensor,
+    b_pool: torch.Tensor,
+    starts: torch.Tensor,
+    ranks: torch.Tensor,
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     scales: torch.Tensor,
     max_seg_len: int,
     slice_offset: int = 0,
 ) -> None:
-    """y[:, slice] += (t @ B[slot]^T) * scale[slot] per segment, in place."""
-    if y.is_cuda:
-        sgmv_expand_triton(y, t, b_stack, seg_indptr, seg_slots, scales, max_seg_len, slice_offset)
-    else:
-        sgmv_expand_torch(y, t, b_stack, seg_indptr, seg_slots, scales, max_seg_len, slice_offset)
+    """y[:, slice] += (t @ B[slot]) * scale[slot] per segment, in place."""
+    fn = sgmv_expand_triton if y.is_cuda else sgmv_expand_torch
+    fn(y, t, b_pool, starts, ranks, seg_indptr, seg_slots, scales, max_seg_len, slice_offset)
 
 
 # --- torch reference / CPU path ------------------------------------------------------------
@@ -63,41 +72,54 @@ def sgmv_expand(
 
 def sgmv_shrink_torch(
     x: torch.Tensor,
-    a_stack: torch.Tensor,
+    a_pool: torch.Tensor,
+    starts: torch.Tensor,
+    ranks: torch.Tensor,
+    max_rank: int,
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     max_seg_len: int,
 ) -> torch.Tensor:
-    """Shrink every segment with its adapter's A.
+    """Shrink every segment with its adapter's A, slice by slice.
 
     Args:
-        x: [T, H] activations; a_stack: [num_slots, R, H].
-        seg_indptr: [S + 1] int, segment s is tokens `seg_indptr[s]:seg_indptr[s + 1]`.
-        seg_slots: [S] int, adapter slot of each segment, -1 = none.
+        x: [T, K] activations; a_pool: [U, S, K].
+        starts, ranks: [num_slots] int, each slot's first pool row and rank (0 = empty).
+        max_rank: R, the width of each slice's columns in t (>= every rank).
+        seg_indptr: [num_segments + 1] int, segment g is tokens `seg_indptr[g]:seg_indptr[g + 1]`.
+        seg_slots: [num_segments] int, adapter slot of each segment, -1 = none.
         max_seg_len: longest segment (sizes the Triton grid; unused here).
     Returns:
-        t: [T, R], zero on rows without an adapter.
+        t: [T, S * R], zero at columns `j * R + i` with i >= rank and on rows without an adapter.
 
     Semantics:
-        t = zeros(T, R)
-        for s in range(S):
-            if seg_slots[s] >= 0:
-                for i in range(seg_indptr[s], seg_indptr[s + 1]):
-                    t[i] = a_stack[seg_slots[s]] @ x[i]
+        t = zeros(T, S * R)
+        for g in range(num_segments):
+            slot = seg_slots[g]
+            if slot >= 0:
+                u, r = starts[slot], ranks[slot]
+                for tok in range(seg_indptr[g], seg_indptr[g + 1]):
+                    for j in range(S):
+                        t[tok, j * R : j * R + r] = a_pool[u : u + r, j] @ x[tok]
     """
-    t = x.new_zeros(x.shape[0], a_stack.shape[1])  # (num_tokens, rank)
-    bounds = seg_indptr.tolist()
-    for s, slot in enumerate(seg_slots.tolist()):
-        start, end = bounds[s], bounds[s + 1]
-        if slot >= 0 and end > start:
-            torch.mm(x[start:end], a_stack[slot].t(), out=t[start:end])
+    t = x.new_zeros(x.shape[0], a_pool.shape[1] * max_rank)  # (num_tokens, slices * R)
+    bounds, start_of, rank_of = seg_indptr.tolist(), starts.tolist(), ranks.tolist()
+    for g, slot in enumerate(seg_slots.tolist()):
+        lo, hi = bounds[g], bounds[g + 1]
+        if slot < 0 or hi == lo or rank_of[slot] == 0:
+            continue
+        u, r = start_of[slot], rank_of[slot]
+        for j in range(a_pool.shape[1]):
+            t[lo:hi, j * max_rank : j * max_rank + r] = x[lo:hi] @ a_pool[u : u + r, j].t()
     return t
 
 
 def sgmv_expand_torch(
     y: torch.Tensor,
     t: torch.Tensor,
-    b_stack: torch.Tensor,
+    b_pool: torch.Tensor,
+    starts: torch.Tensor,
+    ranks: torch.Tensor,
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     scales: torch.Tensor,
@@ -108,24 +130,30 @@ def sgmv_expand_torch(
 
     Args:
         y: [T, N_total], updated in place in columns `slice_offset : slice_offset + N`.
-        t: [T, R] (may be a column view of a fused shrink output); b_stack: [num_slots, N, R].
-        scales: [num_slots] float, each adapter's `alpha / r` (or `alpha / sqrt(r)`).
+        t: [T, >= max rank], one slice's columns of a shrink output (a column view is fine);
+            only its first `rank` columns are read for each segment.
+        b_pool: [U, N], one slice's columns of the pool (a column view of a fused pool is fine).
+        starts, ranks: [num_slots] int; scales: [num_slots] float, each adapter's scaling.
         seg_indptr, seg_slots, max_seg_len: as in `sgmv_shrink_torch`.
 
     Semantics:
-        for s in range(S):
-            slot = seg_slots[s]
+        for g in range(num_segments):
+            slot = seg_slots[g]
             if slot >= 0:
-                for i in range(seg_indptr[s], seg_indptr[s + 1]):
-                    y[i, slice_offset : slice_offset + N] += scales[slot] * (b_stack[slot] @ t[i])
+                u, r = starts[slot], ranks[slot]
+                for tok in range(seg_indptr[g], seg_indptr[g + 1]):
+                    y[tok, slice_offset : slice_offset + N] += (
+                        scales[slot] * (t[tok, :r] @ b_pool[u : u + r]))
     """
-    out = y.narrow(1, slice_offset, b_stack.shape[1])  # (num_tokens, N) view
-    bounds = seg_indptr.tolist()
+    out = y.narrow(1, slice_offset, b_pool.shape[1])  # (num_tokens, N) view
+    bounds, start_of, rank_of = seg_indptr.tolist(), starts.tolist(), ranks.tolist()
     scale_of = scales.tolist()
-    for s, slot in enumerate(seg_slots.tolist()):
-        start, end = bounds[s], bounds[s + 1]
-        if slot >= 0 and end > start:
-            out[start:end].addmm_(t[start:end], b_stack[slot].t(), alpha=scale_of[slot])
+    for g, slot in enumerate(seg_slots.tolist()):
+        lo, hi = bounds[g], bounds[g + 1]
+        if slot < 0 or hi == lo or rank_of[slot] == 0:
+            continue
+        u, r = start_of[slot], rank_of[slot]
+        out[lo:hi].addmm_(t[lo:hi, :r], b_pool[u : u + r], alpha=scale_of[slot])
 
 
 # --- Triton ---------------------------------------------------------------------------------
@@ -133,21 +161,27 @@ def sgmv_expand_torch(
 
 def sgmv_shrink_triton(
     x: torch.Tensor,
-    a_stack: torch.Tensor,
+    a_pool: torch.Tensor,
+    starts: torch.Tensor,
+    ranks: torch.Tensor,
+    max_rank: int,
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     max_seg_len: int,
 ) -> torch.Tensor:
     """Same contract as `sgmv_shrink_torch`."""
-    t = x.new_zeros(x.shape[0], a_stack.shape[1])  # (num_tokens, rank)
-    _launch(x, a_stack, t, seg_indptr, seg_slots, None, max_seg_len, _SHRINK_BLOCKS)
+    t = x.new_zeros(x.shape[0], a_pool.shape[1] * max_rank)  # (num_tokens, slices * R)
+    args = (starts, ranks, max_rank, seg_indptr, seg_slots, None, max_seg_len)
+    _launch(x, a_pool, t, *args, _SHRINK_BLOCKS)
     return t
 
 
 def sgmv_expand_triton(
     y: torch.Tensor,
     t: torch.Tensor,
-    b_stack: torch.Tensor,
+    b_pool: torch.Tensor,
+    starts: torch.Tensor,
+    ranks: torch.Tensor,
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     scales: torch.Tensor,
@@ -155,29 +189,44 @@ def sgmv_expand_triton(
     slice_offset: int = 0,
 ) -> None:
     """Same contract as `sgmv_expand_torch`."""
-    out = y.narrow(1, slice_offset, b_stack.shape[1])  # (num_tokens, N) view
-    _launch(t, b_stack, out, seg_indptr, seg_slots, scales, max_seg_len, _EXPAND_BLOCKS)
+    out = y.narrow(1, slice_offset, b_pool.shape[1])  # (num_tokens, N) view
+    args = (starts, ranks, t.shape[1], seg_indptr, seg_slots, scales, max_seg_len)
+    _launch(t, b_pool, out, *args, _EXPAND_BLOCKS)
 
 
 def _launch(
     inp: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
+    starts: torch.Tensor,
+    ranks: torch.Tensor,
+    max_rank: int,
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     scales: torch.Tensor | None,
     max_seg_len: int,
     blocks: tuple[int, int, int, int],
 ) -> None:
-    """out[rows] (+)= scale * inp[rows] @ w[slot]^T for every segment. inp: [T, K],
-    w: [num_slots, N, K], out: [T, N] (strided views allowed)."""
+    """out[rows] (+)= scale * inp[rows] @ W[slot]^T for every segment; out: [T, N] (strided
+    views allowed).
+
+    Without scales (shrink): w is a_pool [U, S, K], inp [T, K], N = S * R and
+    W[slot][n, k] = w[u + n % R, n // R, k], masked at n % R >= rank. With scales (expand):
+    w is b_pool [U, N] (a column view is fine), inp [T, >= rank], W[slot][n, k] = w[u + k, n],
+    masked at k >= rank."""
     block_m, block_n, block_k, num_stages = blocks
-    num_segments = seg_slots.shape[0]
-    n, k = w.shape[1], w.shape[2]
-    if num_segments == 0 or max_seg_len == 0:
+    num_segments, n = seg_slots.shape[0], out.shape[1]
+    if num_segments == 0 or max_seg_len == 0 or n == 0:
         return
+    shrink = scales is None
+    k = inp.shape[1] if shrink else max_rank
+    # (rank row, slice or output column, k) strides of w
+    w_strides = (w.stride(0), w.stride(1), w.stride(2) if shrink else w.stride(0))
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    if inp.is_cuda:  # as many pipeline stages as shared memory holds (fp32 tiles are twice bf16's)
+        stage = (block_m * block_k + block_k * block_n) * max(inp.element_size(), w.element_size())
+        num_stages = max(1, min(num_stages, _shared_memory(inp.device.index) // stage))
     grid = (triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n), num_segments)
     _sgmv_kernel[grid](
         inp,
@@ -185,17 +234,18 @@ def _launch(
         out,
         seg_indptr,
         seg_slots,
+        starts,
+        ranks,
         scales if scales is not None else inp,
         n,
         k,
+        max_rank,
         inp.stride(0),
         inp.stride(1),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
+        *w_strides,
         out.stride(0),
         out.stride(1),
-        ACCUMULATE=scales is not None,
+        SHRINK=shrink,
         PRECISION="ieee" if inp.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRETED,
         BLOCK_M=block_m,
@@ -205,9 +255,17 @@ def _launch(
     )
 
 
+@functools.cache
+def _shared_memory(device: int | None) -> int:
+    """Bytes of shared memory one program may use on this GPU."""
+    index = torch.cuda.current_device() if device is None else device
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages), from a sweep on an H100 (bf16, H=4096, out=6144,
-# r=16, 2048 tokens in 4 segments, CUDA graphs): shrink 13.3 -> 7.4 us, expand 16.2 -> 9.7 us.
-# Shrink is a long-K, narrow-N product (K = hidden): wide K tiles, deep pipelining.
+# r=16, 2048 tokens in 4 segments, CUDA graphs, padded slot stacks): shrink 13.3 -> 7.4 us,
+# expand 16.2 -> 9.7 us. Shrink is a long-K, narrow-N product (K = hidden): wide K tiles, deep
+# pipelining.
 _SHRINK_BLOCKS = (16, 64, 256, 4)
 _EXPAND_BLOCKS = (64, 64, 16, 2)
 
@@ -219,17 +277,20 @@ def _sgmv_kernel(
     out_ptr,
     indptr_ptr,
     slots_ptr,
+    starts_ptr,
+    ranks_ptr,
     scales_ptr,
     N,
     K,
+    R,
     s_in_t,
     s_in_k,
-    s_w_slot,
+    s_w_u,
     s_w_n,
     s_w_k,
     s_out_t,
     s_out_n,
-    ACCUMULATE: tl.constexpr,
+    SHRINK: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -244,22 +305,38 @@ def _sgmv_kernel(
     row0 = start + pid_m * BLOCK_M
     if (slot < 0) | (row0 >= end):
         return
+    rank = tl.load(ranks_ptr + slot)  # loaded together with its rows' start
+    w_base = w_ptr + tl.load(starts_ptr + slot).to(tl.int64) * s_w_u
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < end
-    col_ok = cols < N
-    w_base = w_ptr + slot.to(tl.int64) * s_w_slot
+    if SHRINK:  # column n = j * R + i is row i of slice j of A; t is 0 at i >= rank already
+        i = cols % R
+        col_ok = (cols < N) & (i < rank)
+        w_cols = i * s_w_u + (cols // R) * s_w_n
+        k_end = K
+        # no live column if neither the tile's first one nor the next slice's i = 0 is
+        n0 = pid_n * BLOCK_N
+        n1 = n0 - n0 % R + R
+        dead = (rank == 0) | ((n0 % R >= rank) & ((n1 >= n0 + BLOCK_N) | (n1 >= N)))
+    else:  # k = i is row i of B: read only the adapter's rank entries of t and rows of B
+        col_ok = cols < N
+        w_cols = cols * s_w_n
+        k_end = rank
+        dead = rank == 0
+    if dead:
+        return  # no weight of this adapter in the tile
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks) < K
+    for k0 in range(0, k_end, BLOCK_K):
+        k_ok = (k0 + ks) < k_end
         a = tl.load(
             in_ptr + rows[:, None] * s_in_t + (k0 + ks)[None, :] * s_in_k,
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )  # (BLOCK_M, BLOCK_K)
         b = tl.load(
-            w_base + cols[None, :] * s_w_n + (k0 + ks)[:, None] * s_w_k,
+            w_base + w_cols[None, :] + (k0 + ks)[:, None] * s_w_k,
             mask=col_ok[None, :] & k_ok[:, None],
             other=0.0,
         )  # (BLOCK_K, BLOCK_N): W[slot]^T tile
@@ -268,7 +345,7 @@ def _sgmv_kernel(
         acc += tl.dot(a, b, input_precision=PRECISION)
     out_ptrs = out_ptr + rows[:, None] * s_out_t + cols[None, :] * s_out_n
     mask = row_ok[:, None] & col_ok[None, :]
-    if ACCUMULATE:
+    if not SHRINK:
         scale = tl.load(scales_ptr + slot)
         acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + acc * scale
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,14 +1,15 @@
 """Per-step LoRA batch info, and the two calls every LoRA-wrapped projection makes.
 
 The model runner builds one `LoraBatchInfo` per step from the scheduled sequences' adapter
-slots; every LoRA layer of the forward then runs
+slots; every LoRA layer of the forward then runs, over its projection's adapter pool
+(`lora.slots`: `a_pool [U, S, H]`, `b_pool [U, N]`, each adapter at its own rows and rank,
+read through the `SlotTable`),
 
-    t = lora_shrink(x, a_stack, info)                       # (num_tokens, r_max)
-    lora_expand(y, t, b_stack, scales, info)                # y += scale * t @ B^T
+    t = lora_shrink(x, a_pool, table, info)            # (num_tokens, S * max_rank)
+    lora_expand_slices(y, t, b_pool, sizes, table, info)  # y += scale * t_j @ B_j^T per slice
 
-or, for a fused projection (`qkv_proj` rows `[q|k|v]`, `gate_up_proj` rows `[gate|up]`),
-one shrink with the slices' A stacked along the rank axis and `lora_expand_slices`; both
-steps at once are `lora_shrink_expand`.
+both at once being `lora_shrink_expand`. A fused projection (`qkv_proj` rows `[q|k|v]`,
+`gate_up_proj` rows `[gate|up]`) has S slices; slice j of `t` is columns `j * max_rank :`.
 
 Kernel choice (`LoraBatchInfo.kernel`): runs of tokens sharing an adapter are merged into
 segments. When segments average at least two tokens (prefill, chunks, decodes ordered by
@@ -27,10 +28,20 @@ from typing import Literal
 
 import torch
 
-from kernels.bgmv import bgmv_expand, bgmv_expand_slices, bgmv_shrink
+from kernels.bgmv import bgmv_expand_slices, bgmv_shrink
 from kernels.seg_lora import EXPAND_CONFIG, MAX_ROWS, seg_expand_triton, seg_lora, seg_shrink
 from kernels.sgmv import sgmv_expand, sgmv_shrink
 from kernels.upload import upload
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    """Where each slot's adapter lies in one fused projection's pool (`lora.slots`)."""
+
+    starts: torch.Tensor  # (num_slots,) int32: its first pool row
+    ranks: torch.Tensor  # (num_slots,) int32: its rows there (0: empty, or not targeted)
+    scales: torch.Tensor  # (num_slots,) float32
+    max_rank: int  # the largest rank: the width of each slice of `t`
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,8 @@ class LoraBatchInfo:
     def segmented(cls, seg_indptr: torch.Tensor, seg_slots: torch.Tensor) -> LoraBatchInfo:
         """Over a CUDA graph's static segment table (`kernels.seg_lora.segment_table` fills it
         before each replay, segments of at most `MAX_ROWS` rows): the grid depends only on the
-        table's capacity. It is also a valid SGMV table, which `lora_shrink`/`lora_expand` use."""
+        table's capacity. It is also a valid SGMV table, which `lora_shrink` and
+        `lora_expand_slices` use."""
         return cls(seg_indptr[:0], seg_indptr, seg_slots, MAX_ROWS, "segmented", has_lora=True)
 
     @classmethod
@@ -105,108 +117,98 @@ def graph_kernel(num_lora_segments: int) -> Literal["segmented", "bgmv"]:
     return "segmented" if num_lora_segments <= SEGMENTED_MAX_SEGMENTS else "bgmv"
 
 
-def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, info: LoraBatchInfo) -> torch.Tensor:
-    """t[i] = A[slot(i)] @ x[i]; zero rows for base-only tokens.
+def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, table: SlotTable,
+                info: LoraBatchInfo) -> torch.Tensor:
+    """t[i, j * R : j * R + r] = A_j[slot(i)] @ x[i] (r its rank, R `table.max_rank`); zeros
+    elsewhere and for base-only tokens.
 
     Args:
-        x: [T, H]; a_stack: [num_slots, R, H] (R = r_max, or slices x r_max when fused).
+        x: [T, H]; a_pool: [U, S, H].
     Returns:
-        t: [T, R]
+        t: [T, S * R]
     """
+    tab = table
     if info.kernel != "bgmv":
-        return sgmv_shrink(x, a_stack, info.seg_indptr, info.seg_slots, info.max_seg_len)
-    return bgmv_shrink(x, a_stack, info.token_slots)
-
-
-def lora_expand(
-    y: torch.Tensor,
-    t: torch.Tensor,
-    b_stack: torch.Tensor,
-    scales: torch.Tensor,
-    info: LoraBatchInfo,
-    slice_offset: int = 0,
-) -> None:
-    """y[i, slice_offset : slice_offset + N] += scales[slot(i)] * B[slot(i)] @ t[i], in place.
-
-    Args:
-        y: [T, N_total]; t: [T, r_max]; b_stack: [num_slots, N, r_max]; scales: [num_slots].
-    """
-    if info.kernel != "bgmv":
-        sgmv_expand(
-            y, t, b_stack, info.seg_indptr, info.seg_slots, scales, info.max_seg_len, slice_offset
-        )
-    else:
-        bgmv_expand(y, t, b_stack, info.token_slots, scales, slice_offset)
+        return sgmv_shrink(x, a_pool, tab.starts, tab.ranks, tab.max_rank, info.seg_indptr,
+                           info.seg_slots, info.max_seg_len)
+    return bgmv_shrink(x, a_pool, tab.starts, tab.ranks, tab.max_rank, info.token_slots)
 
 
 def lora_expand_slices(
     y: torch.Tensor,
     t: torch.Tensor,
-    b_stack: torch.Tensor,
+    b_pool: torch.Tensor,
     sizes: Sequence[int],
-    scales: torch.Tensor,
+    table: SlotTable,
     info: LoraBatchInfo,
 ) -> None:
-    """Expand a fused projection: slice j (rows `sum(sizes[:j]) :` of B, `sizes[j]` of them)
-    reads `t[:, j * r_max : (j + 1) * r_max]` and adds into the same output columns of y
-    (`[q|k|v]` or `[gate|up]`). BGMV does every slice in one launch.
+    """Expand a (fused) projection: slice j (columns `sum(sizes[:j]) :` of the pool, `sizes[j]`
+    of them) reads `t[:, j * R : (j + 1) * R]` and adds `scale * t_j @ B_j^T` into the same
+    output columns of y (`[q|k|v]` or `[gate|up]`). BGMV does every slice in one launch.
 
     Args:
-        y: [T, sum(sizes)]; t: [T, len(sizes) * r_max]; b_stack: [num_slots, sum(sizes), r_max].
+        y: [T, sum(sizes)]; t: [T, len(sizes) * R]; b_pool: [U, sum(sizes)].
     """
+    tab = table
     if info.kernel == "bgmv":
-        bgmv_expand_slices(y, t, b_stack, sizes, info.token_slots, scales)
+        bgmv_expand_slices(y, t, b_pool, sizes, tab.starts, tab.ranks, info.token_slots,
+                           tab.scales)
         return
-    offset, r_max = 0, b_stack.shape[2]
+    offset, r = 0, tab.max_rank
     for j, n in enumerate(sizes):
-        b = b_stack.narrow(1, offset, n)
-        lora_expand(y, t[:, j * r_max : (j + 1) * r_max], b, scales, info, offset)
+        sgmv_expand(y, t[:, j * r : (j + 1) * r], b_pool[:, offset : offset + n], tab.starts,
+                    tab.ranks, info.seg_indptr, info.seg_slots, tab.scales, info.max_seg_len,
+                    offset)
         offset += n
 
 
 def lora_shrink_expand(
     y: torch.Tensor,
     x: torch.Tensor,
-    a_stack: torch.Tensor,
-    b_stack: torch.Tensor,
+    a_pool: torch.Tensor,
+    b_pool: torch.Tensor,
     sizes: Sequence[int],
-    scales: torch.Tensor,
+    table: SlotTable,
     info: LoraBatchInfo,
 ) -> None:
     """y += LoRA(x) for a (fused) projection: `lora_shrink`, then `lora_expand_slices`.
 
     Args:
-        y: [T, sum(sizes)]; x: [T, H]; a_stack: [num_slots, len(sizes) * r_max, H];
-        b_stack: [num_slots, sum(sizes), r_max].
+        y: [T, sum(sizes)]; x: [T, H]; a_pool: [U, len(sizes), H]; b_pool: [U, sum(sizes)].
     """
     if info.kernel == "segmented":
-        seg_lora(y, x, a_stack, b_stack, sizes, info.seg_indptr, info.seg_slots, scales,
-                 info.max_seg_len)
+        tab = table
+        seg_lora(y, x, a_pool, b_pool, sizes, tab.starts, tab.ranks, tab.max_rank,
+                 info.seg_indptr, info.seg_slots, tab.scales, info.max_seg_len)
         return
-    t = lora_shrink(x, a_stack, info)  # (num_tokens, len(sizes) * r_max)
-    lora_expand_slices(y, t, b_stack, sizes, scales, info)
+    t = lora_shrink(x, a_pool, table, info)  # (num_tokens, len(sizes) * max_rank)
+    lora_expand_slices(y, t, b_pool, sizes, table, info)
 
 
-def projection_shrink(x: torch.Tensor, a_stack: torch.Tensor, info: LoraBatchInfo):
+def projection_shrink(x: torch.Tensor, a_pool: torch.Tensor, table: SlotTable,
+                      info: LoraBatchInfo):
     """`lora_shrink_expand` in two halves, so that a CUDA graph can run the shrink on a side
     stream beside the base projection (Triton kernels only). Returns `t` for
-    `projection_expand`: [T, len(sizes) * r_max], or the segmented kernel's fp32 partials."""
+    `projection_expand`: [T, S * max_rank], or the segmented kernel's fp32 partials."""
     if info.kernel == "segmented":
-        return seg_shrink(x, a_stack, info.seg_indptr, info.seg_slots, info.max_seg_len)
-    return lora_shrink(x, a_stack, info)
+        return seg_shrink(x, a_pool, table.starts, table.ranks, table.max_rank,
+                          info.seg_indptr, info.seg_slots, info.max_seg_len)
+    return lora_shrink(x, a_pool, table, info)
 
 
 def projection_expand(
     y: torch.Tensor,
     t: torch.Tensor,
-    b_stack: torch.Tensor,
+    b_pool: torch.Tensor,
     sizes: Sequence[int],
-    scales: torch.Tensor,
+    table: SlotTable,
     info: LoraBatchInfo,
 ) -> None:
     """y += the expand of `projection_shrink`'s `t`."""
     if info.kernel == "segmented":
-        seg_expand_triton(y, t, b_stack, sizes, info.seg_indptr, info.seg_slots, scales,
-                          info.max_seg_len, EXPAND_CONFIG)
+        tab = table
+        seg_expand_triton(y, t, b_pool, sizes, tab.starts, tab.ranks, tab.max_rank,
+                          info.seg_indptr, info.seg_slots, tab.scales, info.max_seg_len,
+                          EXPAND_CONFIG)
         return
-    lora_expand_slices(y, t, b_stack, sizes, scales, info)
+    lora_expand_slices(y, t, b_pool, sizes, table, info)

@@ -1,6 +1,7 @@
 """The adapter manager: per-tenant registry name -> adapter, over three tiers.
 
-    device  `LoraSlots`: `max_loras` adapters in the stacked buffers the forward reads;
+    device  `LoraSlots`: up to `max_loras` adapters in the pools the forward reads, each in
+            rows of its own rank;
     host    up to `max_cpu_loras` validated `LoraAdapter`s in memory (LRU);
     disk    the adapter's folder: the store directory (uploads) or the caller's own path.
 
@@ -18,9 +19,11 @@ engine's request):
                     (`take_failed`), never the step.
     release(lease)  at finish or abort: unpin.
 
-Eviction is LRU among unpinned adapters in both tiers. A slot is pinned while an admitted
-request uses it; `pin=True` adapters are never evicted (at most `max_loras - 1` of them, so one
-slot always rotates). `add` / `remove` / `get` / `list` come from other threads (the gateway);
+Eviction is LRU among unpinned adapters in both tiers; on the device an adapter needs a free
+slot and free rows, so as many idle adapters go as make room. A slot is pinned while an
+admitted request uses it; `pin=True` adapters are never evicted (at most `max_loras - 1` of
+them, so one slot always rotates). `add` / `remove` / `get` / `list` come from other threads
+(the gateway);
 one lock guards all state. Weights are copied host -> device only on the engine thread, inside
 `admit`, that is between forwards.
 """
@@ -276,14 +279,9 @@ class AdapterManager:
                 problems = e.problems if isinstance(e, AdapterError) else [str(e)]
                 self._fail_waiting(entry, f"can no longer be loaded: {'; '.join(problems)}")
                 return False
-        slot = self._free_slot()
+        slot = self._make_room(entry.adapter)
         if slot is None:
             return False
-        old, self._owner[slot] = self._owner[slot], None
-        if old is not None:
-            old.slot = None
-            if not old.removed:
-                self.stats.evictions["device"] += 1
         assert self.slots is not None and entry.adapter is not None
         try:
             self.slots.load(slot, entry.adapter)
@@ -303,16 +301,30 @@ class AdapterManager:
         log.warning("%s (tenant %r)", why, entry.tenant)
         self._failed += [(lease, why) for lease in self._leases if lease.entry is entry]
 
-    def _free_slot(self) -> int | None:
-        """An empty slot, else the least recently used one nobody pins."""
-        for slot, owner in enumerate(self._owner):
-            if owner is None or (owner.removed and owner.active == 0):
-                return slot
-        for slot in self._slot_lru:
-            owner = self._owner[slot]
-            if owner is not None and owner.active == 0 and not owner.pinned:
-                return slot
-        return None
+    def _make_room(self, adapter: LoraAdapter) -> int | None:
+        """An empty slot, with free rows for `adapter` in the pools, evicting the least recently
+        used adapters nobody pins until both are there; None when they never will be."""
+        assert self.slots is not None
+        order = sorted(self._slot_lru, key=lambda s: not getattr(self._owner[s], "removed", 0))
+        idle = (s for s in order  # deleted adapters first, then by least recent use
+                if (o := self._owner[s]) is not None and o.active == 0
+                and (o.removed or not o.pinned))
+        while True:
+            empty = next((s for s, owner in enumerate(self._owner) if owner is None), None)
+            if empty is not None and self.slots.fits(adapter):
+                return empty
+            victim = next(idle, None)
+            if victim is None:
+                return None
+            self._evict(victim)
+
+    def _evict(self, slot: int) -> None:
+        old, self._owner[slot] = self._owner[slot], None
+        assert old is not None and self.slots is not None
+        old.slot = None
+        self.slots.clear(slot)
+        if not old.removed:
+            self.stats.evictions["device"] += 1
 
     def _host_put(self, entry: _Entry, adapter: LoraAdapter) -> None:
         entry.adapter = adapter

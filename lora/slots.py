@@ -1,26 +1,39 @@
-"""The device tier: stacked LoRA buffers holding `num_slots` resident adapters.
+"""The device tier: resident adapters in one pool per projection, each at its own rank.
 
-The base model fuses projections (`qkv_proj` rows `[q|k|v]`, `gate_up_proj` rows `[gate|up]`),
-so each layer keeps, per fused projection, one A stack with the slices' ranks side by side and
-one B stack with the slices' output rows one after another (as in the base weight):
+The base model fuses projections (`qkv_proj` rows `[q|k|v]`, `gate_up_proj` rows `[gate|up]`).
+Each layer keeps, per fused projection of S slices, a pool of `U` rank rows (S-LoRA's unified
+memory, without pages: an adapter takes one contiguous run of rows):
 
-    a: [num_slots, num_slices * r_max, in_features]
-    b: [num_slots, sum_j out_features_j, r_max]
+    a: [U, S, in_features]     row u + i, slice j: row i of that slice's lora_A
+    b: [U, sum_j out_features_j]   row u + i: row i of lora_B^T, slices side by side
 
-A slot holds one adapter; ranks below `r_max` and projections the adapter does not target are
-zeros, which add nothing (see `kernels.sgmv`). `scales[slot]` is the adapter's alpha / r; a
+A resident adapter has a slot (an index into `starts`, `ranks`, `scales`), and in each fused
+projection it targets the rows `starts[f, slot] : starts[f, slot] + ranks[f, slot]`, where the
+rank is its largest over that projection's slices (a slice it does not target, or of a lower
+rank, is zeros there). A projection it does not target takes no rows (rank 0), so an attention
+only adapter costs nothing in the MLP's pools. `scales[slot]` is the adapter's alpha / r; a
 module whose own scale differs (PEFT's rank/alpha patterns) has the ratio folded into its B.
+Every layer places an adapter at the same rows, so one allocator per fused projection serves
+all layers. The kernels read an adapter's own rows only (`kernels.sgmv`), so the rest of a pool
+may hold anything.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lora.adapter import LoraAdapter
-from lora.batch import LoraBatchInfo, lora_shrink_expand, projection_expand, projection_shrink
+from lora.batch import (
+    LoraBatchInfo,
+    SlotTable,
+    lora_shrink_expand,
+    projection_expand,
+    projection_shrink,
+)
 from lora.shape import BaseShape
 from lora.validate import projection_dims
 
@@ -34,79 +47,180 @@ FUSED: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+FUSED_INDEX = {fused: f for f, fused in enumerate(FUSED)}
 
 
 @dataclass(frozen=True)
-class ProjectionSlots:
-    """Stacked LoRA weights of one (fused) projection of one layer."""
+class ProjectionPool:
+    """The LoRA weights of one (fused) projection of one layer, for every resident adapter."""
 
-    a: torch.Tensor  # (num_slots, num_slices * r_max, in_features)
-    b: torch.Tensor  # (num_slots, sum(sizes), r_max), slice j's rows after slices 0..j-1
+    a: torch.Tensor  # (U, num_slices, in_features)
+    b: torch.Tensor  # (U, sum(sizes)): lora_B^T, slice j's columns after slices 0..j-1
     sizes: tuple[int, ...]  # out_features of each slice
 
 
+class RowAllocator:
+    """First fit over `total` rows; freed runs merge with their free neighbours."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._free: list[tuple[int, int]] = [(0, total)] if total else []  # (start, length)
+
+    def allocate(self, n: int) -> int | None:
+        """The first row of a free run of `n` rows, now taken; None when no run is long enough."""
+        for i, (start, length) in enumerate(self._free):
+            if length >= n:
+                self._free[i : i + 1] = [(start + n, length - n)] if length > n else []
+                return start
+        return None
+
+    def fits(self, n: int) -> bool:
+        return any(length >= n for _, length in self._free)
+
+    def free(self, start: int, n: int) -> None:
+        i = bisect.bisect(self._free, (start, n))
+        runs = self._free
+        if i < len(runs) and runs[i][0] == start + n:  # merge with the next run
+            n += runs.pop(i)[1]
+        if i > 0 and runs[i - 1][0] + runs[i - 1][1] == start:  # and with the previous one
+            start, n = runs[i - 1][0], runs[i - 1][1] + n
+            runs.pop(i - 1)
+            i -= 1
+        runs.insert(i, (start, n))
+
+    @property
+    def num_free(self) -> int:
+        return sum(length for _, length in self._free)
+
+
+def projection_ranks(adapter: LoraAdapter) -> dict[str, int]:
+    """The rows `adapter` needs in each fused projection's pool (0: untargeted)."""
+    return {
+        fused: max((m.rank for layer in adapter.layers for p in parts
+                    if (m := layer.get(p)) is not None), default=0)
+        for fused, parts in FUSED.items()
+    }
+
+
+def pool_row_bytes(base: BaseShape, dtype: torch.dtype) -> int:
+    """Bytes of one rank row in all four fused projections' pools, over every layer: an
+    adapter of rank r targeting every projection takes r of them."""
+    dims = projection_dims(base)
+    per_layer = sum(len(parts) * dims[parts[0]][0] + sum(dims[p][1] for p in parts)
+                    for parts in FUSED.values())
+    return per_layer * base.num_layers * torch.empty((), dtype=dtype).element_size()
+
+
 class LoraSlots:
-    """Fixed-size device buffers; the adapter manager decides which adapter sits in which slot."""
+    """The device pools and the slot table; the adapter manager decides which adapter sits in
+    which slot, this class where its rows go."""
 
     def __init__(
         self,
         base: BaseShape,
         num_slots: int,
+        pool_rows: int,
         max_rank: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         shard: Shard | None = None,
     ) -> None:
-        """Under tensor parallelism `base` is this rank's shapes, and `shard(projection, a, b)`
-        cuts a whole adapter's LoRA to this rank's
+        """`pool_rows` rank rows in each fused projection's pool; adapters up to `max_rank`
+        (the width of the kernels' shrink output). Under tensor parallelism `base` is this
+        rank's shapes, and `shard(projection, a, b)` cuts a whole adapter's LoRA to this rank's
         (`engine.parallel.partition.Partition.cut_lora`)."""
-        self.num_slots, self.max_rank, self.shard = num_slots, max_rank, shard
+        self.num_slots, self.pool_rows, self.shard = num_slots, pool_rows, shard
+        self.max_rank = min(max_rank, pool_rows)
         dims = projection_dims(base)
 
-        def zeros(*shape: int) -> torch.Tensor:
+        def zeros(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.layers: list[dict[str, ProjectionSlots]] = [
+        self.layers: list[dict[str, ProjectionPool]] = [
             {
-                fused: ProjectionSlots(
-                    a=zeros(num_slots, len(parts) * max_rank, dims[parts[0]][0]),
-                    b=zeros(num_slots, sum(dims[p][1] for p in parts), max_rank),
+                fused: ProjectionPool(
+                    a=zeros(pool_rows, len(parts), dims[parts[0]][0]),
+                    b=zeros(pool_rows, sum(dims[p][1] for p in parts)),
                     sizes=tuple(dims[p][1] for p in parts),
                 )
                 for fused, parts in FUSED.items()
             }
             for _ in range(base.num_layers)
         ]
-        self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)  # (num_slots,)
+        self.starts = zeros(len(FUSED), num_slots, dtype=torch.int32)
+        self.ranks = zeros(len(FUSED), num_slots, dtype=torch.int32)
+        self.scales = zeros(num_slots, dtype=torch.float32)
+        self.tables = {fused: SlotTable(self.starts[f], self.ranks[f], self.scales, self.max_rank)
+                       for fused, f in FUSED_INDEX.items()}
+        self._rows = {fused: RowAllocator(pool_rows) for fused in FUSED}
+        self._placed: dict[int, dict[str, tuple[int, int]]] = {}  # slot -> fused -> rows
+
+    def fits(self, adapter: LoraAdapter) -> bool:
+        """Whether `adapter` can be loaded now without evicting anything."""
+        return all(self._rows[f].fits(r) for f, r in projection_ranks(adapter).items() if r)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy a validated adapter into `slot`, replacing whatever was there."""
+        """Place a validated adapter in free rows and copy it into `slot` (empty, or whatever
+        it held is cleared first). Raises ValueError when its rows do not fit now."""
         if adapter.rank > self.max_rank:
-            raise ValueError(f"adapter rank {adapter.rank} exceeds the slot rank {self.max_rank}")
+            raise ValueError(f"adapter rank {adapter.rank} exceeds the max LoRA rank "
+                             f"{self.max_rank}")
         if len(adapter.layers) != len(self.layers):
             raise ValueError("adapter was validated against a different base model")
         self.clear(slot)
-        r_max = self.max_rank
+        placed: dict[str, tuple[int, int]] = {}
+        try:
+            for fused, rank in projection_ranks(adapter).items():
+                if rank:
+                    start = self._rows[fused].allocate(rank)
+                    if start is None:
+                        raise ValueError(f"no {rank} free rows in the {fused} adapter pool")
+                    placed[fused] = (start, rank)
+            self.write(slot, adapter, {f: start for f, (start, _) in placed.items()})
+        except BaseException:
+            for fused, (start, rank) in placed.items():
+                self._rows[fused].free(start, rank)
+            self._set(slot, {}, 0.0)
+            raise
+        self._placed[slot] = placed
+
+    def write(self, slot: int, adapter: LoraAdapter, starts: dict[str, int]) -> None:
+        """Copy `adapter` into `slot` at the first rows `starts[fused]` of each fused projection
+        it targets (rows placed by `load`; a tensor-parallel worker is told them)."""
+        ranks = projection_ranks(adapter)
         for layer, modules in zip(self.layers, adapter.layers, strict=True):
-            for fused, parts in FUSED.items():
-                stack = layer[fused]
-                row = 0
+            for fused, start in starts.items():
+                pool, parts = layer[fused], FUSED[fused]
+                rows = slice(start, start + ranks[fused])
+                pool.a[rows].zero_()
+                pool.b[rows].zero_()
+                col = 0
                 for j, part in enumerate(parts):
-                    m, rows = modules.get(part), stack.sizes[j]
+                    m, width = modules.get(part), pool.sizes[j]
                     if m is not None:
-                        r = m.rank
                         a, b = (m.a, m.b) if self.shard is None else self.shard(part, m.a, m.b)
-                        stack.a[slot, j * r_max : j * r_max + r].copy_(a)
-                        stack.b[slot, row : row + rows, :r].copy_(b * (m.scale / adapter.scale))
-                    row += rows
-        self.scales[slot] = adapter.scale
+                        pool.a[start : start + m.rank, j].copy_(a)
+                        pool.b[start : start + m.rank, col : col + width].copy_(
+                            (b * (m.scale / adapter.scale)).T)
+                    col += width
+        self._set(slot, {f: (s, ranks[f]) for f, s in starts.items()}, adapter.scale)
 
     def clear(self, slot: int) -> None:
-        for layer in self.layers:
-            for stack in layer.values():
-                stack.a[slot].zero_()
-                stack.b[slot].zero_()
-        self.scales[slot] = 0.0
+        """Empty `slot`: its rows go back to the pools."""
+        for fused, (start, rank) in self._placed.pop(slot, {}).items():
+            self._rows[fused].free(start, rank)
+        self._set(slot, {}, 0.0)
+
+    def placement(self, slot: int) -> dict[str, int]:
+        """The first row of `slot`'s adapter in each fused projection it targets."""
+        return {f: start for f, (start, _) in self._placed.get(slot, {}).items()}
+
+    def _set(self, slot: int, rows: dict[str, tuple[int, int]], scale: float) -> None:
+        for fused, f in FUSED_INDEX.items():
+            start, rank = rows.get(fused, (0, 0))
+            self.starts[f, slot] = start
+            self.ranks[f, slot] = rank
+        self.scales[slot] = scale
 
     def apply(
         self, y: torch.Tensor, x: torch.Tensor, layer: int, fused: str, info: LoraBatchInfo
@@ -120,14 +234,14 @@ class LoraSlots:
         """
         if not info.has_lora:
             return
-        stack = self.layers[layer][fused]
-        lora_shrink_expand(y, x, stack.a, stack.b, stack.sizes, self.scales, info)
+        pool = self.layers[layer][fused]
+        lora_shrink_expand(y, x, pool.a, pool.b, pool.sizes, self.tables[fused], info)
 
     def shrink(self, x: torch.Tensor, layer: int, fused: str, info: LoraBatchInfo):
         """`apply` in two halves (`expand(y, shrink(x))`), for a CUDA graph to run the shrink
         on a side stream; needs `info.has_lora`."""
-        return projection_shrink(x, self.layers[layer][fused].a, info)
+        return projection_shrink(x, self.layers[layer][fused].a, self.tables[fused], info)
 
     def expand(self, y: torch.Tensor, t, layer: int, fused: str, info: LoraBatchInfo) -> None:
-        stack = self.layers[layer][fused]
-        projection_expand(y, t, stack.b, stack.sizes, self.scales, info)
+        pool = self.layers[layer][fused]
+        projection_expand(y, t, pool.b, pool.sizes, self.tables[fused], info)

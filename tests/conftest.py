@@ -149,8 +149,9 @@ def serve(tmp: Path, *flags: str, model: Path | None = None) -> Iterator[Gateway
 def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
     """`switchboard serve` on the embedded model, on a free port, in a subprocess."""
     tmp = tmp_path_factory.mktemp("gateway")
+    # Rank 16 at most: an adapter over it fits the upload limit (tests/test_hostile_uploads.py).
     with serve(tmp, "--adapter-dir", str(tmp / "adapters"),
-               "--max-adapter-bytes", str(MAX_ADAPTER_BYTES)) as server:
+               "--max-adapter-bytes", str(MAX_ADAPTER_BYTES), "--max-lora-rank", "16") as server:
         yield server
 
 

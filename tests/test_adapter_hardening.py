@@ -84,7 +84,8 @@ def test_a_bad_stored_adapter_is_skipped_at_start(tmp_path: Path) -> None:
     the manager starts), while the tenant's sound adapter is."""
     write_adapter(tmp_path / "alpha" / "overflow", lora_alpha=1e308)
     write_adapter(tmp_path / "alpha" / "sound")
-    manager = AdapterManager(SMOLLM2, LoraSlots(SMOLLM2, 1, 4), 2, store_dir=tmp_path)
+    slots = LoraSlots(SMOLLM2, num_slots=1, pool_rows=4, max_rank=4)
+    manager = AdapterManager(SMOLLM2, slots, 2, store_dir=tmp_path)
     assert [a.name for a in manager.list("alpha")] == ["sound"]
     assert manager.list("alpha")[0].stored_bytes == sum(
         f.stat().st_size for f in (tmp_path / "alpha" / "sound").iterdir())

@@ -51,6 +51,7 @@ class FakeEngine:
     """Each step emits one token ("x") per live request."""
 
     max_model_len = 64
+    max_num_seqs = 8
     model_dir = None
 
     def __init__(self, cfg: EngineConfig):

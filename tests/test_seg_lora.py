@@ -1,11 +1,14 @@
-"""Segmented LoRA (the decode graphs' kernels) against the torch reference, and the reference
-against a per-token loop. On CPU the Triton kernels run in the interpreter, as in
-tests/test_lora_kernels.py; the `gpu` test replays a CUDA graph over changing adapter mixes."""
+"""Segmented LoRA (the decode graphs' kernels) over the unified adapter pool: the Triton path
+against the torch reference, the reference against a per-token loop over each adapter's dense
+A and B, and both blind to pool rows no resident adapter owns. On CPU the Triton kernels run in
+the interpreter, as in tests/test_lora_kernels.py; the `gpu` test replays a CUDA graph over
+changing adapter mixes."""
 
 from __future__ import annotations
 
 import os
 import zlib
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -14,37 +17,126 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
 from kernels import seg_lora  # noqa: E402
-from kernels.bgmv import bgmv_expand_slices_torch, bgmv_shrink_torch  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
-NUM_SLOTS, HIDDEN = 6, 72
+HIDDEN = 72
+# Slot ranks: 0 is an empty slot; 12 and 40 are no multiple of a 16-column tile.
+RANKS = (16, 64, 8, 0, 12, 40)
 # Rows sorted by adapter as the decode graphs see them, plus base rows between segments: a run
-# of 20 (longer than a 16-row tile), one-token segments, and unused trailing table entries.
-ROW_SLOTS = [-1] * 2 + [3] * 20 + [1] + [-1] * 3 + [0] * 5 + [4] + [2] * 2 + [5]
-CAPACITY = len(ROW_SLOTS) + 4
+# of 18 (longer than a 16-row tile), one-token segments, a row of the empty slot 3, and unused
+# trailing table entries.
+ROW_SLOTS = [-1] + [1] * 18 + [3] + [-1] * 2 + [0] * 4 + [4] + [2] * 2 + [5]
+CAPACITY = len(ROW_SLOTS) + 2
 TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (4e-2, 2e-2)}  # (atol, rtol)
-SMALL = ((16, 16, 32, 4, 1), (16, 4))  # 3 splits of K = 72; tiles straddle slices
-CONFIGS = {"small": SMALL, "default": (seg_lora.SHRINK_CONFIG, seg_lora.EXPAND_CONFIG)}
 SIZES = {"qkv": (40, 24, 8), "gate_up": (32, 48), "o": (56,)}
+# name: (max_rank, shrink config, expand config, max_rows). "small": 2 splits of K = 72, shrink
+# tiles inside one slice (those past a low rank exit early), expand tiles straddling slices;
+# "straddle": R = 80, so some 64-column shrink tiles hold the end of one slice (all at i >= a
+# low rank) and the start of the next.
+CONFIGS = {
+    "small": (64, (32, 32, 48, 4, 1), (32, 4), 16),
+    "default": (64, seg_lora.SHRINK_CONFIG, seg_lora.EXPAND_CONFIG, 32),
+    "straddle": (80, (64, 32, 48, 4, 1), (64, 4), 16),
+}
 
 
-def make_case(dtype: torch.dtype, sizes: tuple[int, ...], rank: int, seed: str):
+@dataclass(frozen=True)
+class Pool:
+    """A projection's adapter pool with the slots' adapters at scattered starts."""
+
+    a: torch.Tensor  # [U, S, K]
+    b: torch.Tensor  # [U, N]
+    starts: torch.Tensor  # [num_slots] int32
+    ranks: torch.Tensor  # [num_slots] int32
+    scales: torch.Tensor  # [num_slots] fp32
+    owned: torch.Tensor  # [U] bool: rows of a resident adapter
+
+    def args(self, sizes, max_rank):
+        return self.a, self.b, sizes, self.starts, self.ranks, max_rank
+
+    def with_free_rows(self, fill) -> Pool:
+        """The same adapters, with `fill(shape)` in every pool row no adapter owns."""
+        a, b = self.a.clone(), self.b.clone()
+        free = ~self.owned
+        a[free] = fill(a[free].shape).to(a)
+        b[free] = fill(b[free].shape).to(b)
+        return replace(self, a=a, b=b)
+
+
+def make_pool(sizes, ranks, k, dtype, gen, device=DEVICE) -> Pool:
+    """Adapters laid out in a shuffled order with gaps of free rows between them; the empty
+    slots start mid-pool. Free rows hold large finite garbage."""
+    order = torch.randperm(len(ranks), generator=gen).tolist()
+    starts, u = [0] * len(ranks), 3
+    for s in order:
+        if ranks[s]:
+            starts[s] = u
+            u += ranks[s] + int(torch.randint(1, 6, (), generator=gen))
+    for s in order:
+        if not ranks[s]:
+            starts[s] = u // 2
+    owned = torch.zeros(u, dtype=torch.bool)
+    for s, r in enumerate(ranks):
+        owned[starts[s] : starts[s] + r] = True
+    a = torch.randn(u, len(sizes), k, generator=gen) / k**0.5
+    b = torch.randn(u, sum(sizes), generator=gen) / 8
+    a[~owned] = torch.randn(a[~owned].shape, generator=gen) * 1e3
+    b[~owned] = torch.randn(b[~owned].shape, generator=gen) * 1e3
+    scales = torch.rand(len(ranks), generator=gen) * 2 + 0.25
+    as_int = dict(dtype=torch.int32, device=device)
+    return Pool(a.to(device, dtype), b.to(device, dtype), torch.tensor(starts, **as_int),
+                torch.tensor(ranks, **as_int), scales.to(device), owned.to(device))
+
+
+def make_case(dtype: torch.dtype, sizes: tuple[int, ...], seed: str):
     gen = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
-    n = sum(sizes)
-    a = torch.randn(NUM_SLOTS, len(sizes) * rank, HIDDEN, generator=gen) / HIDDEN**0.5
-    b = torch.randn(NUM_SLOTS, n, rank, generator=gen) / rank**0.5
+    pool = make_pool(sizes, RANKS, HIDDEN, dtype, gen)
     x = torch.randn(len(ROW_SLOTS), HIDDEN, generator=gen)
-    y = torch.randn(len(ROW_SLOTS), n, generator=gen)
-    scales = torch.rand(NUM_SLOTS, generator=gen) * 2 + 0.25
-    return (x.to(DEVICE, dtype), y.to(DEVICE, dtype), a.to(DEVICE, dtype), b.to(DEVICE, dtype),
-            scales.to(DEVICE))
+    y = torch.randn(len(ROW_SLOTS), sum(sizes), generator=gen)
+    return x.to(DEVICE, dtype), y.to(DEVICE, dtype), pool
 
 
-def table(max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    indptr, slots = seg_lora.segment_table(ROW_SLOTS, CAPACITY, max_rows)
-    as_int = dict(dtype=torch.int32, device=DEVICE)
+def table(max_rows: int, row_slots=ROW_SLOTS, capacity=CAPACITY, device=DEVICE):
+    indptr, slots = seg_lora.segment_table(row_slots, capacity, max_rows)
+    as_int = dict(dtype=torch.int32, device=device)
     return torch.tensor(indptr, **as_int), torch.tensor(slots, **as_int)
+
+
+def dense_adapters(pool: Pool, sizes) -> dict[int, tuple[list, list]]:
+    """slot -> ([A_j [r, K]], [B_j [N_j, r]]) per slice, copied out of the pool's views."""
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    adapters = {}
+    for slot, (u, r) in enumerate(zip(pool.starts.tolist(), pool.ranks.tolist(), strict=True)):
+        if r:
+            a = [pool.a[u : u + r, j].clone() for j in range(len(sizes))]
+            b = [pool.b[u : u + r, lo:hi].t().clone()
+                 for lo, hi in zip(bounds, bounds[1:], strict=False)]
+            adapters[slot] = (a, b)
+    return adapters
+
+
+def per_token(y, x, pool: Pool, sizes, token_slots) -> torch.Tensor:
+    """y + LoRA(x) token by token over the dense adapters, in fp32."""
+    out, adapters = y.float().clone(), dense_adapters(pool, sizes)
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    for i, slot in enumerate(token_slots):
+        if slot in adapters:
+            for j, (a, b) in enumerate(zip(*adapters[slot], strict=True)):
+                t = a.float() @ x[i].float()
+                out[i, bounds[j] : bounds[j + 1]] += pool.scales[slot] * (b.float() @ t)
+    return out
+
+
+def shrink_reference(x, pool: Pool, max_rank: int, num_slices: int):
+    """(t [T, S * R] fp32 with NaN where the shrink writes nothing, written mask)."""
+    t = torch.full((len(ROW_SLOTS), num_slices * max_rank), float("nan"), device=DEVICE)
+    for row, slot in enumerate(ROW_SLOTS):
+        r = int(pool.ranks[slot]) if slot >= 0 else 0
+        u = int(pool.starts[slot]) if slot >= 0 else 0
+        for j in range(num_slices):
+            t[row, j * max_rank : j * max_rank + r] = pool.a[u : u + r, j].float() @ x[row].float()
+    return t, ~t.isnan()
 
 
 def assert_close(actual, expected, dtype, msg=None):
@@ -71,97 +163,119 @@ def triton_ready():
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("max_rows", [16, 32])
 @pytest.mark.parametrize("proj", list(SIZES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_matches_torch(triton_ready, dtype, proj, max_rows, config):
-    sizes, rank = SIZES[proj], 16 if proj == "qkv" else 8
-    x, y, a, b, scales = make_case(dtype, sizes, rank, f"{dtype}{proj}{max_rows}")
+def test_triton_matches_torch(triton_ready, dtype, proj, config):
+    sizes = SIZES[proj]
+    max_rank, shrink_cfg, expand_cfg, max_rows = CONFIGS[config]
+    x, y, pool = make_case(dtype, sizes, f"{dtype}{proj}{config}")
     indptr, slots = table(max_rows)
-    shrink_cfg, expand_cfg = CONFIGS[config]
     splits = -(-HIDDEN // seg_lora._k_split(HIDDEN, shrink_cfg))
-    # poisoned: rows without an adapter keep NaN partials, which the expand must never read
-    partials = torch.full((splits, len(ROW_SLOTS), a.shape[1]), float("nan"), device=DEVICE)
-    seg_lora.seg_shrink_triton(x, a, indptr, slots, max_rows, partials, shrink_cfg)
-    lora_rows = torch.tensor(ROW_SLOTS) >= 0
-    t_ref = bgmv_shrink_torch(x, a, torch.tensor(ROW_SLOTS, device=DEVICE))
-    assert_close(partials.sum(0)[lora_rows], t_ref[lora_rows], dtype)
-    assert partials[:, ~lora_rows].isnan().all()
+    # poisoned: entries the shrink does not write (rows without an adapter, i >= rank) stay NaN,
+    # and the expand must never read them
+    partials = torch.full((splits, len(ROW_SLOTS), len(sizes) * max_rank), float("nan"),
+                          device=DEVICE)
+    seg_lora.seg_shrink_triton(x, pool.a, pool.starts, pool.ranks, max_rank, indptr, slots,
+                               max_rows, partials, shrink_cfg)
+    t_ref, written = shrink_reference(x, pool, max_rank, len(sizes))
+    assert_close(partials.sum(0)[written], t_ref[written], dtype)
+    assert partials[:, ~written].isnan().all()
     y_tri, y_ref = y.clone(), y.clone()
-    seg_lora.seg_expand_triton(y_tri, partials, b, sizes, indptr, slots, scales, max_rows,
-                               expand_cfg)
-    seg_lora.seg_lora_torch(y_ref, x, a, b, sizes, indptr, slots, scales, max_rows)
+    seg_lora.seg_expand_triton(y_tri, partials, pool.b, sizes, pool.starts, pool.ranks, max_rank,
+                               indptr, slots, pool.scales, max_rows, expand_cfg)
+    seg_lora.seg_lora_torch(y_ref, x, *pool.args(sizes, max_rank), indptr, slots, pool.scales,
+                            max_rows)
     assert_close(y_tri, y_ref, dtype)
-    assert torch.equal(y_tri[~lora_rows], y[~lora_rows])
-    y_fused = y.clone()  # the one-call form allocates its own partials
-    seg_lora.seg_lora_triton(y_fused, x, a, b, sizes, indptr, slots, scales, max_rows,
-                             shrink_cfg, expand_cfg)
-    assert torch.equal(y_fused, y_tri)
+    untouched = torch.tensor([s < 0 or RANKS[s] == 0 for s in ROW_SLOTS])
+    assert torch.equal(y_tri[untouched], y[untouched])
 
 
 @pytest.mark.parametrize("proj", list(SIZES))
-def test_torch_matches_per_token_reference(proj):
-    """The segmented reference equals BGMV's (one slot per token) on the same rows."""
-    x, y, a, b, scales = make_case(torch.float32, SIZES[proj], 8, proj)
+def test_torch_matches_per_token_loop(proj):
+    """The segmented reference equals a per-token loop over each adapter's dense A_j and B_j."""
+    sizes = SIZES[proj]
+    x, y, pool = make_case(torch.float32, sizes, proj)
     indptr, slots = table(16)
-    token_slots = torch.tensor(ROW_SLOTS, dtype=torch.int32, device=DEVICE)
-    y_seg, y_tok = y.clone(), y.clone()
-    seg_lora.seg_lora_torch(y_seg, x, a, b, SIZES[proj], indptr, slots, scales)
-    bgmv_expand_slices_torch(y_tok, bgmv_shrink_torch(x, a, token_slots), b, SIZES[proj],
-                             token_slots, scales)
-    torch.testing.assert_close(y_seg, y_tok, atol=1e-5, rtol=1e-5)
+    y_seg = y.clone()
+    seg_lora.seg_lora_torch(y_seg, x, *pool.args(sizes, 64), indptr, slots, pool.scales)
+    torch.testing.assert_close(y_seg, per_token(y, x, pool, sizes, ROW_SLOTS), atol=1e-5,
+                               rtol=1e-5)
+    y_dispatch = y.clone()  # off CUDA, `seg_lora` is the reference
+    seg_lora.seg_lora(y_dispatch, x, *pool.args(sizes, 64), indptr, slots, pool.scales)
+    assert torch.equal(y_dispatch, y_seg)
+
+
+@pytest.mark.parametrize("proj, config", [("qkv", "straddle"), ("gate_up", "small")])
+def test_free_pool_rows_are_never_read(triton_ready, proj, config):
+    """Results are bit-identical whatever the rows outside the resident adapters hold (their
+    garbage, zeros, NaN); the one-call Triton form (its own partials) matches the reference."""
+    sizes, (max_rank, shrink_cfg, expand_cfg, max_rows) = SIZES[proj], CONFIGS[config]
+    x, y, pool = make_case(torch.float32, sizes, f"free{proj}")
+    indptr, slots = table(max_rows)
+    fills = {"zeros": torch.zeros, "nan": lambda shape: torch.full(shape, float("nan"))}
+    results = {}
+    for name, p in [("pool", pool)] + [(n, pool.with_free_rows(f)) for n, f in fills.items()]:
+        y_ref, y_tri = y.clone(), y.clone()
+        seg_lora.seg_lora_torch(y_ref, x, *p.args(sizes, max_rank), indptr, slots, p.scales,
+                                max_rows)
+        seg_lora.seg_lora_triton(y_tri, x, *p.args(sizes, max_rank), indptr, slots, p.scales,
+                                 max_rows, shrink_cfg, expand_cfg)
+        results[name] = y_ref, y_tri
+    assert_close(results["pool"][1], results["pool"][0], torch.float32)
+    for name in fills:
+        assert torch.equal(results[name][0], results["pool"][0]), name
+        assert torch.equal(results[name][1], results["pool"][1]), name
 
 
 @pytest.mark.gpu
 def test_graph_replays_follow_the_adapter_mix():
-    """One CUDA graph of every projection's LoRA over static segment buffers (as the decode
-    graphs capture it), replayed over changing adapter mixes, equals the per-token torch path."""
+    """One CUDA graph of four projections' LoRA (fused qkv and gate_up) over static segment
+    buffers (as the decode graphs capture it), replayed over changing adapter mixes, equals the
+    per-token loop."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from engine.config import ModelConfig
-    from lora.batch import LoraBatchInfo
-    from lora.slots import LoraSlots
-
-    cfg = ModelConfig(vocab_size=1, hidden_size=256, intermediate_size=640, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=64, max_position=1)
-    batch, gen = 64, torch.Generator(device="cuda").manual_seed(0)
-    slots = LoraSlots(cfg, 16, 16, torch.bfloat16, "cuda")
-    for stack in slots.layers[0].values():
-        stack.a.normal_(0, stack.a.shape[2] ** -0.5, generator=gen)
-        stack.b.normal_(0, 0.25, generator=gen)
-    slots.scales.uniform_(0.5, 2.0, generator=gen)
-    proj = slots.layers[0]
-    xs = {f: torch.randn(batch, s.a.shape[2], device="cuda", generator=gen).bfloat16()
-          for f, s in proj.items()}
-    base = {f: torch.randn(batch, s.b.shape[1], device="cuda", generator=gen).bfloat16()
-            for f, s in proj.items()}
+    batch, max_rank, hidden, inter = 64, 64, 256, 640
+    gen = torch.Generator().manual_seed(0)
+    ranks = [(8, 16, 64)[i % 3] for i in range(15)] + [0]  # slot 15 is empty
+    shapes = {"qkv": (hidden, (256, 128, 128)), "o": (256, (hidden,)),
+              "gate_up": (hidden, (inter, inter)), "down": (inter, (hidden,))}
+    pools = {f: make_pool(sizes, ranks, k, torch.bfloat16, gen, "cuda")
+             for f, (k, sizes) in shapes.items()}
+    xs = {f: torch.randn(batch, k, generator=gen).cuda().bfloat16()
+          for f, (k, _) in shapes.items()}
+    base = {f: torch.randn(batch, sum(sizes), generator=gen).cuda().bfloat16()
+            for f, (_, sizes) in shapes.items()}
     ys = {f: y.clone() for f, y in base.items()}
     indptr = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
     seg_slots = torch.full((batch,), -1, dtype=torch.int32, device="cuda")
-    info = LoraBatchInfo.segmented(indptr, seg_slots)
 
     def forward():
-        for f, y in ys.items():
+        for f, (_, sizes) in shapes.items():
+            p, y = pools[f], ys[f]
             y.copy_(base[f])
-            slots.apply(y, xs[f], 0, f, info)
+            if f in ("qkv", "o"):
+                seg_lora.seg_lora(y, xs[f], *p.args(sizes, max_rank), indptr, seg_slots,
+                                  p.scales)
+            else:  # the two halves, as a graph runs the shrink on a side stream
+                t = seg_lora.seg_shrink(xs[f], p.a, p.starts, p.ranks, max_rank, indptr,
+                                        seg_slots)
+                seg_lora.seg_expand_triton(y, t, p.b, sizes, p.starts, p.ranks, max_rank, indptr,
+                                           seg_slots, p.scales, seg_lora.MAX_ROWS)
 
     forward()  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    mixes = {"one": [3] * batch, "eight": [i // 8 for i in range(batch)],
+    mixes = {"one": [1] * batch, "eight": [i // 8 for i in range(batch)],
              "distinct": list(range(16)) * 4, "base rows": [-1] * 5 + [7] * 40 + [2] * 9,
-             "partial batch": [1] * 3 + [4] * 20}
+             "partial batch": [1] * 3 + [4] * 20, "empty slot": [0] * 10 + [15] * 30}
     for name, rows in mixes.items():
         rows = sorted(rows)
-        table_indptr, table_slots = seg_lora.segment_table(rows, batch)
-        indptr.copy_(torch.tensor(table_indptr))
-        seg_slots.copy_(torch.tensor(table_slots))
+        table_indptr, table_slots = table(seg_lora.MAX_ROWS, rows, batch, "cuda")
+        indptr.copy_(table_indptr)
+        seg_slots.copy_(table_slots)
         graph.replay()
-        token_slots = torch.tensor(rows + [-1] * (batch - len(rows)), dtype=torch.int32,
-                                   device="cuda")
-        for f, s in proj.items():
-            expected = base[f].clone()
-            t = bgmv_shrink_torch(xs[f], s.a, token_slots)
-            bgmv_expand_slices_torch(expected, t, s.b, s.sizes, token_slots, slots.scales)
+        token_slots = rows + [-1] * (batch - len(rows))
+        for f, (_, sizes) in shapes.items():
+            expected = per_token(base[f], xs[f], pools[f], sizes, token_slots)
             assert_close(ys[f], expected, torch.bfloat16, msg=f"{name}: {f}")

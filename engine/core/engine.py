@@ -90,9 +90,14 @@ class LLMEngine:
         kv_heads = (mc.num_kv_heads if tp is None else
                     max(Partition.of(mc, r, tp.size).local(mc).num_kv_heads
                         for r in range(tp.size)))
-        cfg = self.cfg = cfg.resolve(dataclasses.replace(mc, num_kv_heads=kv_heads),
-                                     device.type)  # from here on, no "auto" settings
+        memory = torch.cuda.mem_get_info(device)[::-1] if device.type == "cuda" else None
+        cfg, why = cfg.resolve(dataclasses.replace(mc, num_kv_heads=kv_heads), device.type,
+                               memory)  # from here on, no "auto" settings
+        self.cfg = cfg
+        if why:
+            log.info("memory: %s", why)
         self.max_model_len = cfg.max_model_len
+        self.max_num_seqs = cfg.max_num_seqs
         speculator = (Speculator(cfg.num_speculative_tokens, max_batch=MAX_BATCH
                                       if device.type == "cuda" else CPU_MAX_BATCH)
                            if cfg.num_speculative_tokens else None)
@@ -109,11 +114,11 @@ class LLMEngine:
         self.allocator = PageAllocator(cfg.num_pages)
         self.grammar = GrammarStage(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
         slots: LoraSlots | None = None
+        lora = (cfg.max_loras, cfg.lora_pool_rows, cfg.max_lora_rank, dtype, device)
         if cfg.max_loras and tp is not None and part is not None:
-            slots = SentSlots(self.model.local_cfg, cfg.max_loras, cfg.max_lora_rank, dtype,
-                              device, part.cut_lora, tp=tp)
+            slots = SentSlots(self.model.local_cfg, *lora, part.cut_lora, tp=tp)
         elif cfg.max_loras:
-            slots = LoraSlots(mc, cfg.max_loras, cfg.max_lora_rank, dtype, device)
+            slots = LoraSlots(mc, *lora)
         self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
         self.runner = build_runner(self.model, cfg, sorted(self.eos_token_ids), slots, tp,
                                    self.grammar)

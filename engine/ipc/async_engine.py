@@ -104,6 +104,10 @@ class AsyncEngine(SinkClient):
         return self._engine.max_model_len
 
     @property
+    def max_num_seqs(self) -> int:
+        return self._engine.max_num_seqs
+
+    @property
     def model_dir(self) -> Path:
         return self._engine.model_dir
 

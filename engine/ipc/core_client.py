@@ -99,6 +99,10 @@ class EngineProcess(SinkClient):
         return self.facts.max_model_len
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.facts.max_num_seqs
+
+    @property
     def model_dir(self) -> Path:
         return self.facts.model_dir
 

@@ -181,6 +181,7 @@ class CoreServer:
         mc = getattr(e, "model_config", None)
         return CoreFacts(
             max_model_len=e.max_model_len,
+            max_num_seqs=e.max_num_seqs,
             vocab_size=mc.vocab_size if mc is not None else getattr(e, "vocab_size", 1 << 30),
             model_dir=e.model_dir,
             lora=adapters is not None,

@@ -26,6 +26,7 @@ class CoreFacts:
     """What the gateway needs to know of the loaded engine, sent once it is loaded."""
 
     max_model_len: int
+    max_num_seqs: int
     vocab_size: int
     model_dir: Path
     lora: bool  # an adapter registry exists (`--max-loras` > 0)

@@ -119,6 +119,7 @@ class Forward:
 class LoadSlot:
     slot: int
     adapter: LoraAdapter  # host tensors, whole: each worker cuts its shard
+    starts: dict[str, int]  # where rank 0 placed it: fused projection -> first pool row
 
 
 STOP = "stop"
@@ -144,12 +145,13 @@ def rank_fingerprint(cfg: ModelConfig, model_dir: Path, model: torch.nn.Module
 
 class SentSlots(LoraSlots):
     """Rank 0's adapter slots: an adapter loaded into a slot is sent to the workers' slots
-    too, in order with the steps (a later step may use it)."""
+    too, with the rows rank 0 placed it at, in order with the steps (a later step may use
+    it)."""
 
     def __init__(self, *args: Any, tp: TPGroup, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tp = tp
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
-        super().load(slot, adapter)
-        self.tp.send(LoadSlot(slot, adapter))
+    def write(self, slot: int, adapter: LoraAdapter, starts: dict[str, int]) -> None:
+        super().write(slot, adapter, starts)
+        self.tp.send(LoadSlot(slot, adapter, starts))

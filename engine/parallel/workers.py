@@ -191,8 +191,8 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: 
         if isinstance(mine, str):
             return
         c = setup.cfg
-        slots = (LoraSlots(part.local(mc), c.max_loras, c.max_lora_rank, dtype, device,
-                           part.cut_lora) if c.max_loras else None)
+        slots = (LoraSlots(part.local(mc), c.max_loras, c.lora_pool_rows, c.max_lora_rank,
+                           dtype, device, part.cut_lora) if c.max_loras else None)
         runner = build_runner(model, c, setup.eos_token_ids, slots, tp)
         while (msg := tp.recv()) != STOP:
             if isinstance(msg, Forward):
@@ -202,7 +202,7 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: 
                 runner.forward(msg.inputs, ids)
             elif isinstance(msg, LoadSlot):
                 assert slots is not None, "rank 0 loads adapters only with LoRA on"
-                slots.load(msg.slot, msg.adapter)
+                slots.write(msg.slot, msg.adapter, msg.starts)
     finally:
         tp.close()
 
