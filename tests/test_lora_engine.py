@@ -125,6 +125,31 @@ def test_mixed_batch_equals_peft(tiny):
     assert plain.logprobs[0].logprob != tuned.logprobs[0].logprob
 
 
+def test_laptop_defaults_serve_rank_64_beside_rank_8(tiny, tmp_path):
+    """With the CPU's default LoRA settings (4 adapters, rank up to 128, 128 pool rows), a
+    rank-64 adapter runs in one batch with rank-8, rank-4 and base requests, each at its own
+    rows of the pool, with peft's logits."""
+    from transformers import AutoModelForCausalLM
+
+    base, paths, ref = tiny
+    torch.manual_seed(20)
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    wide = dict(r=64, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
+    peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **wide)).save_pretrained(
+        tmp_path / "wide64")
+    ref.load_adapter(tmp_path / "wide64", adapter_name="wide64")
+    llm = LLM(model=str(base), num_pages=128, page_size=4)
+    cfg = llm.engine.cfg
+    assert (cfg.max_loras, cfg.max_lora_rank, cfg.lora_pool_rows) == (4, 128, 128)
+    for name in ("all8", "qv4"):
+        llm.load_adapter(name, paths[name])
+    llm.load_adapter("wide64", tmp_path / "wide64")
+    _run_and_compare(llm, ref, ["wide64", "all8", None, "qv4", "wide64", "all8"])
+    slots = llm.engine.adapters.slots
+    assert sorted(slots.ranks[0].tolist()) == [0, 4, 8, 64]  # q/k/v rows of each adapter
+    ref.delete_adapter("wide64")
+
+
 def test_fewer_slots_than_adapters_and_chunked_prefill(tiny):
     base, paths, ref = tiny
     llm = LLM(model=str(base), max_loras=2, max_cpu_loras=2, max_lora_rank=16, num_pages=128,
