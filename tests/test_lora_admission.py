@@ -1,5 +1,6 @@
 """The scheduler's one LoRA predicate, without a model: a request whose adapter is not
-resident waits and never blocks the requests behind it; a slot is pinned while used."""
+resident waits and does not block the requests behind it, until it has waited past the
+fairness bound (`Scheduler.adapter_wait_s`): then requests for other adapters wait behind it."""
 
 from __future__ import annotations
 
@@ -44,3 +45,64 @@ def test_default_admits_everything():
     sched = Scheduler(PageAllocator(32), 4, 8, 64)
     sched.add(req("a", "anything"))
     assert len(sched.schedule().seqs) == 1
+
+
+def ids(batch) -> list[str]:
+    return [s.request.request_id for s in batch.seqs]
+
+
+def test_resident_adapters_go_first_until_a_waiting_one_is_held_up_too_long():
+    """x has no room while y runs. Within the bound, later y requests start ahead of x's; past
+    it, they wait (base requests still start) until y's running request finishes, and x then
+    starts ahead of them."""
+    adapters = Adapters()
+    adapters.ready.add("y")
+    sched = Scheduler(PageAllocator(64), 4, 8, 64, adapters=adapters, adapter_wait_s=3600)
+    running = req("y-running", "y")
+    sched.add(running)
+    assert ids(sched.schedule()) == ["y-running"]
+    starved, later = req("x", "x"), req("y-later", "y")
+    sched.add(starved)
+    sched.add(later)
+    assert ids(sched.schedule()) == ["y-running", "y-later"]  # resident first, within the bound
+    assert starved.lora_waits and sched.waiting == [starved]
+
+    sched.adapter_wait_s = 0.0  # now past the bound
+    sched.add(held := req("y-held", "y"))
+    sched.add(base := req("base"))
+    batch = sched.schedule()
+    assert "y-held" not in ids(batch) and "base" in ids(batch)
+    assert sched.waiting == [starved, held]
+    for r in (running, later):  # y's requests end: its slot is free, x's adapter loads
+        sched.finish(r, "stop")
+    adapters.ready.add("x")
+    batch = sched.schedule()
+    assert ids(batch)[-2:] == ["x", "y-held"] and not sched.waiting
+
+
+def test_no_hold_without_running_adapters_to_wait_for():
+    """An adapter that cannot load while nothing with an adapter runs (nothing will free room)
+    does not stop other adapters' requests."""
+    adapters = Adapters()
+    adapters.ready.add("y")
+    sched = Scheduler(PageAllocator(64), 4, 8, 64, adapters=adapters, adapter_wait_s=0.0)
+    sched.add(stuck := req("x", "x"))
+    sched.add(req("y1", "y"))
+    assert ids(sched.schedule()) == ["y1"] and sched.waiting == [stuck]
+    # y1 runs now: the next y request is held behind x, which has waited past the bound.
+    sched.add(req("y2", "y"))
+    assert ids(sched.schedule()) == ["y1"]
+
+
+def test_a_request_waiting_on_its_grammar_holds_nobody():
+    adapters = Adapters()
+    adapters.ready.update({"x", "y"})
+    compiled: set[str] = set()
+    sched = Scheduler(PageAllocator(64), 4, 8, 64, adapters=adapters,
+                      is_ready=lambda r: r.request_id in compiled | {"y1", "y2"},
+                      adapter_wait_s=0.0)
+    sched.add(req("y1", "y"))
+    sched.schedule()
+    sched.add(slow := req("x", "x"))
+    sched.add(req("y2", "y"))
+    assert ids(sched.schedule()) == ["y1", "y2"] and not slow.lora_waits

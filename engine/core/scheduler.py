@@ -82,6 +82,11 @@ class AdmitAll:
         return True
 
 
+# A request kept waiting this long by its adapter (no room on the device while every resident
+# adapter is busy) stops the requests behind it that want other adapters (`Scheduler._admit`).
+ADAPTER_WAIT_S = 2.0
+
+
 class Scheduler:
     """FCFS within priority (lower `params.priority` first).
 
@@ -99,8 +104,10 @@ class Scheduler:
         adapters: Admission | None = None,
         is_ready: Callable[[Request], bool] = lambda req: True,
         cache: PrefixCache | None = None,
+        adapter_wait_s: float = ADAPTER_WAIT_S,
     ):
         self.is_ready = is_ready  # e.g. the request's grammar has compiled
+        self.adapter_wait_s = adapter_wait_s
         self.allocator = allocator
         self.adapters = adapters or AdmitAll()
         self.cache = cache or PrefixCache(allocator, page_size, enabled=False)
@@ -178,11 +185,28 @@ class Scheduler:
         """Admit waiting requests into `batch` while the budget, the seat count and the pages
         allow. One that is not ready (grammar compiling, adapter not resident) is passed over:
         it waits, the others go ahead. With `whole`, a request is admitted only if the rest of
-        its prompt fits the budget; False when one that could start does not."""
+        its prompt fits the budget; False when one that could start does not.
+
+        Adapters: requests whose adapters are resident go ahead of one whose adapter waits for
+        room, but not for ever. Once a request has waited `adapter_wait_s` for its adapter
+        while requests with adapters run, the requests behind it that want other adapters wait
+        too: the running ones finish and unpin theirs, and the next admission makes room for
+        it. Base-model requests still start. So no request waits for its adapter more than
+        `adapter_wait_s` plus the longest remaining run of the adapter requests running then
+        (plus its adapter's load) beyond first-come order."""
+        now = time.monotonic()
+        held: tuple[str, str] | None = None  # the adapter of such a request
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            adapter = _adapter(req)
+            if held is not None and adapter is not None and adapter != held:
+                continue
             if not self._startable(req, batch):
+                if (held is None and adapter is not None and req.lora_waits
+                        and now - req.added_at >= self.adapter_wait_s
+                        and any(_adapter(r) is not None for r in self.running)):
+                    held = adapter
                 continue
             self.cache.attach(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -206,9 +230,12 @@ class Scheduler:
         (loading it from the host tier meanwhile), its adapter resident. They do that request's
         own work (build its matcher, copy its KV or its adapter); one that raises fails that
         request alone, through `batch.failed`."""
+        req.lora_waits = False
         try:
-            return (self.is_ready(req) and self.cache.ready(req, overlap=not self.running)
-                    and self.adapters.can_admit(req))
+            if not (self.is_ready(req) and self.cache.ready(req, overlap=not self.running)):
+                return False
+            req.lora_waits = not self.adapters.can_admit(req)
+            return not req.lora_waits
         except Exception as e:
             log.exception("request %s cannot start", req.request_id)
             batch.failed.append((req, f"could not start: {type(e).__name__}: {e}"))
@@ -261,3 +288,8 @@ class Scheduler:
         self.num_preemptions += 1
         batch.preempted.append(req)
         self.add(req)
+
+
+def _adapter(req: Request) -> tuple[str, str] | None:
+    """Which adapter `req` runs (None: the base model)."""
+    return None if req.params.adapter is None else (req.tenant, req.params.adapter)
