@@ -6,8 +6,7 @@ step, once every request is decoding), in interleaved rounds; each configuration
 its fastest round (other load on a shared machine only ever adds time, so the minimum is the
 best estimate of the undisturbed speed; the median is printed beside it). Throughput is
 given as a ratio to base-only, beside the bytes one step must read: the base weights plus
-each distinct adapter's A and B (slots are padded to --max-lora-rank; here every adapter has
-that rank).
+each distinct adapter's A and B (each read at its own rank from the adapter pool).
 
     .venv/bin/python benchmarks/lora_throughput.py [--steps 24] [--rounds 3] [--out FILE.md]
 """
