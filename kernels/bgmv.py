@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.sgmv import shrink_rows
+
 
 def bgmv_shrink(
     x: torch.Tensor,
@@ -111,8 +113,7 @@ def bgmv_shrink_torch(
         start_of, rank_of = starts.tolist(), ranks.tolist()
         for slot, lo, hi in runs:
             u, r = start_of[slot], rank_of[slot]
-            for j in range(a_pool.shape[1]):
-                ts[lo:hi, j * max_rank : j * max_rank + r] = xs[lo:hi] @ a_pool[u : u + r, j].t()
+            shrink_rows(ts[lo:hi], xs[lo:hi], a_pool[u : u + r], max_rank)
         t.index_copy_(0, order, ts)
     return t
 
@@ -180,12 +181,20 @@ def bgmv_expand_slices_torch(
                         starts, ranks, indices, scales, slice_offset=offset)
             offset += n
     """
-    offset, max_rank = 0, t.shape[1] // len(sizes)
-    for j, n in enumerate(sizes):
-        t_j = t[:, j * max_rank : (j + 1) * max_rank]
-        b = b_pool.narrow(1, offset, n)
-        bgmv_expand_torch(y, t_j, b, starts, ranks, indices, scales, offset)
-        offset += n
+    order, runs = group_by_slot(indices)  # once for every slice
+    if not runs:
+        return
+    max_rank, bounds = t.shape[1] // len(sizes), [0, *itertools.accumulate(sizes)]
+    ts = t.index_select(0, order)  # (num_lora_tokens, S * R), grouped by slot
+    delta = y.new_zeros(order.shape[0], y.shape[1])
+    start_of, rank_of, scale_of = starts.tolist(), ranks.tolist(), scales.tolist()
+    for slot, lo, hi in runs:
+        u, r = start_of[slot], rank_of[slot]
+        for j in range(len(sizes)) if r else ():
+            c0, c1 = bounds[j], bounds[j + 1]
+            delta[lo:hi, c0:c1].addmm_(ts[lo:hi, j * max_rank : j * max_rank + r],
+                                       b_pool[u : u + r, c0:c1], alpha=scale_of[slot])
+    y.index_add_(0, order, delta)
 
 
 def group_by_slot(indices: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:

@@ -29,6 +29,7 @@ axis on W's rows (shrink) or columns (expand), so one Triton kernel serves both.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -109,9 +110,21 @@ def sgmv_shrink_torch(
         if slot < 0 or hi == lo or rank_of[slot] == 0:
             continue
         u, r = start_of[slot], rank_of[slot]
-        for j in range(a_pool.shape[1]):
-            t[lo:hi, j * max_rank : j * max_rank + r] = x[lo:hi] @ a_pool[u : u + r, j].t()
+        shrink_rows(t[lo:hi], x[lo:hi], a_pool[u : u + r], max_rank)
     return t
+
+
+def shrink_rows(t: torch.Tensor, x: torch.Tensor, a: torch.Tensor, max_rank: int) -> None:
+    """t[:, j * R : j * R + r] = x @ a[:, j].T for every slice j, in one matmul.
+
+    Args:
+        t: [n, S * R] rows of the shrink output; x: [n, K]; a: [r, S, K] one adapter's rows.
+    """
+    r, num_slices, k = a.shape
+    if r == 0:
+        return
+    out = (x @ a.reshape(r * num_slices, k).t()).view(-1, r, num_slices)  # [n, i, j]
+    t.view(t.shape[0], num_slices, max_rank)[:, :, :r] = out.transpose(1, 2)
 
 
 def sgmv_expand_torch(
@@ -154,6 +167,37 @@ def sgmv_expand_torch(
             continue
         u, r = start_of[slot], rank_of[slot]
         out[lo:hi].addmm_(t[lo:hi, :r], b_pool[u : u + r], alpha=scale_of[slot])
+
+
+def sgmv_expand_slices_torch(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    b_pool: torch.Tensor,
+    sizes: list[int] | tuple[int, ...],
+    starts: torch.Tensor,
+    ranks: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """`sgmv_expand_torch` of every slice of a fused projection in one pass over the segments:
+    slice j reads `t[:, j * R : j * R + rank]` and adds into columns `sum(sizes[:j]) :` of y.
+
+    Args:
+        y: [T, sum(sizes)]; t: [T, len(sizes) * R]; b_pool: [U, sum(sizes)].
+    """
+    max_rank, bounds = t.shape[1] // len(sizes), [0, *itertools.accumulate(sizes)]
+    ends, start_of, rank_of = seg_indptr.tolist(), starts.tolist(), ranks.tolist()
+    scale_of = scales.tolist()
+    for g, slot in enumerate(seg_slots.tolist()):
+        lo, hi = ends[g], ends[g + 1]
+        if slot < 0 or hi == lo or rank_of[slot] == 0:
+            continue
+        u, r = start_of[slot], rank_of[slot]
+        for j in range(len(sizes)):
+            c0, c1 = bounds[j], bounds[j + 1]
+            y[lo:hi, c0:c1].addmm_(t[lo:hi, j * max_rank : j * max_rank + r],
+                                   b_pool[u : u + r, c0:c1], alpha=scale_of[slot])
 
 
 # --- Triton ---------------------------------------------------------------------------------

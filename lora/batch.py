@@ -30,7 +30,7 @@ import torch
 
 from kernels.bgmv import bgmv_expand_slices, bgmv_shrink
 from kernels.seg_lora import EXPAND_CONFIG, MAX_ROWS, seg_expand_triton, seg_lora, seg_shrink
-from kernels.sgmv import sgmv_expand, sgmv_shrink
+from kernels.sgmv import sgmv_expand, sgmv_expand_slices_torch, sgmv_shrink
 from kernels.upload import upload
 
 
@@ -153,6 +153,10 @@ def lora_expand_slices(
     if info.kernel == "bgmv":
         bgmv_expand_slices(y, t, b_pool, sizes, tab.starts, tab.ranks, info.token_slots,
                            tab.scales)
+        return
+    if not y.is_cuda:  # one pass over the segments for every slice
+        sgmv_expand_slices_torch(y, t, b_pool, sizes, tab.starts, tab.ranks, info.seg_indptr,
+                                 info.seg_slots, tab.scales)
         return
     offset, r = 0, tab.max_rank
     for j, n in enumerate(sizes):
