@@ -321,8 +321,9 @@ def main() -> None:
 class Server:
     """`switchboard serve` in a subprocess on a free port."""
 
-    def __init__(self, flags: list[str]):
+    def __init__(self, flags: list[str], api_key: str | None = None):
         self.flags = flags
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def __enter__(self) -> Server:
         self.log = Path(tempfile.mkstemp(suffix=".log")[1])
@@ -338,7 +339,8 @@ class Server:
                 raise RuntimeError(f"serve did not start:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.5)
         self.url = m.group(1)
-        self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+        models = httpx.get(self.url + "/v1/models", headers=self.headers).json()
+        self.model = models["data"][0]["id"]
         return self
 
     def __exit__(self, *exc: object) -> None:
