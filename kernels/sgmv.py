@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -173,7 +174,7 @@ def sgmv_expand_slices_torch(
     y: torch.Tensor,
     t: torch.Tensor,
     b_pool: torch.Tensor,
-    sizes: list[int] | tuple[int, ...],
+    sizes: Sequence[int],
     starts: torch.Tensor,
     ranks: torch.Tensor,
     seg_indptr: torch.Tensor,

@@ -279,10 +279,10 @@ class AdapterManager:
                 problems = e.problems if isinstance(e, AdapterError) else [str(e)]
                 self._fail_waiting(entry, f"can no longer be loaded: {'; '.join(problems)}")
                 return False
+        assert self.slots is not None and entry.adapter is not None
         slot = self._make_room(entry.adapter)
         if slot is None:
             return False
-        assert self.slots is not None and entry.adapter is not None
         try:
             self.slots.load(slot, entry.adapter)
         except Exception as e:  # noqa: BLE001 - one adapter's failure fails its requests only

@@ -69,7 +69,7 @@ def test_resident_adapters_go_first_until_a_waiting_one_is_held_up_too_long():
 
     sched.adapter_wait_s = 0.0  # now past the bound
     sched.add(held := req("y-held", "y"))
-    sched.add(base := req("base"))
+    sched.add(req("base"))
     batch = sched.schedule()
     assert "y-held" not in ids(batch) and "base" in ids(batch)
     assert sched.waiting == [starved, held]
