@@ -52,21 +52,26 @@ def sgmv_shrink(
     return fn(x, a_pool, starts, ranks, max_rank, seg_indptr, seg_slots, max_seg_len)
 
 
-def sgmv_expand(
+def sgmv_expand_slices(
     y: torch.Tensor,
     t: torch.Tensor,
     b_pool: torch.Tensor,
+    sizes: Sequence[int],
     starts: torch.Tensor,
     ranks: torch.Tensor,
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     scales: torch.Tensor,
     max_seg_len: int,
-    slice_offset: int = 0,
 ) -> None:
-    """y[:, slice] += (t @ B[slot]) * scale[slot] per segment, in place."""
-    fn = sgmv_expand_triton if y.is_cuda else sgmv_expand_torch
-    fn(y, t, b_pool, starts, ranks, seg_indptr, seg_slots, scales, max_seg_len, slice_offset)
+    """Every slice of a fused projection: `sgmv_expand_slices_torch` has the contract; on CUDA
+    one launch for all slices."""
+    if y.is_cuda:
+        sgmv_expand_slices_triton(y, t, b_pool, sizes, starts, ranks, seg_indptr, seg_slots,
+                                  scales, max_seg_len)
+    else:
+        sgmv_expand_slices_torch(y, t, b_pool, sizes, starts, ranks, seg_indptr, seg_slots,
+                                 scales)
 
 
 # --- torch reference / CPU path ------------------------------------------------------------
@@ -216,8 +221,9 @@ def sgmv_shrink_triton(
 ) -> torch.Tensor:
     """Same contract as `sgmv_shrink_torch`."""
     t = x.new_zeros(x.shape[0], a_pool.shape[1] * max_rank)  # (num_tokens, slices * R)
-    args = (starts, ranks, max_rank, seg_indptr, seg_slots, None, max_seg_len)
-    _launch(x, a_pool, t, *args, _SHRINK_BLOCKS)
+    blocks = _blocks(_SHRINK_BLOCKS, max_seg_len)
+    _launch(x, a_pool, t, starts, ranks, max_rank, seg_indptr, seg_slots, None, max_seg_len,
+            [t.shape[1]], blocks)
     return t
 
 
@@ -235,8 +241,27 @@ def sgmv_expand_triton(
 ) -> None:
     """Same contract as `sgmv_expand_torch`."""
     out = y.narrow(1, slice_offset, b_pool.shape[1])  # (num_tokens, N) view
-    args = (starts, ranks, t.shape[1], seg_indptr, seg_slots, scales, max_seg_len)
-    _launch(t, b_pool, out, *args, _EXPAND_BLOCKS)
+    _launch(t, b_pool, out, starts, ranks, t.shape[1], seg_indptr, seg_slots, scales,
+            max_seg_len, [b_pool.shape[1]], _blocks(_EXPAND_BLOCKS, max_seg_len))
+
+
+def sgmv_expand_slices_triton(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    b_pool: torch.Tensor,
+    sizes: Sequence[int],
+    starts: torch.Tensor,
+    ranks: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    scales: torch.Tensor,
+    max_seg_len: int,
+) -> None:
+    """Same contract as `sgmv_expand_slices_torch`, in one launch: a program's column tile lies
+    in one slice (slice j's tiles follow slice j - 1's), so the small [k|v] slices share the
+    grid with the large ones instead of each filling a launch of its own."""
+    _launch(t, b_pool, y, starts, ranks, t.shape[1] // len(sizes), seg_indptr, seg_slots,
+            scales, max_seg_len, list(sizes), _blocks(_EXPAND_BLOCKS, max_seg_len))
 
 
 def _launch(
@@ -250,15 +275,17 @@ def _launch(
     seg_slots: torch.Tensor,
     scales: torch.Tensor | None,
     max_seg_len: int,
+    sizes: list[int],
     blocks: tuple[int, int, int, int],
 ) -> None:
     """out[rows] (+)= scale * inp[rows] @ W[slot]^T for every segment; out: [T, N] (strided
     views allowed).
 
-    Without scales (shrink): w is a_pool [U, S, K], inp [T, K], N = S * R and
+    Without scales (shrink): w is a_pool [U, S, K], inp [T, K], N = S * R (`sizes` = [N]) and
     W[slot][n, k] = w[u + n % R, n // R, k], masked at n % R >= rank. With scales (expand):
-    w is b_pool [U, N] (a column view is fine), inp [T, >= rank], W[slot][n, k] = w[u + k, n],
-    masked at k >= rank."""
+    w is b_pool [U, N] (a column view is fine), out's columns are slices of `sizes` side by
+    side (N = sum(sizes)), inp holds R columns per slice, and slice j's columns read
+    W[slot][n, k] = w[u + k, n] against inp's columns j * R + k, masked at k >= rank."""
     block_m, block_n, block_k, num_stages = blocks
     num_segments, n = seg_slots.shape[0], out.shape[1]
     if num_segments == 0 or max_seg_len == 0 or n == 0:
@@ -267,12 +294,18 @@ def _launch(
     k = inp.shape[1] if shrink else max_rank
     # (rank row, slice or output column, k) strides of w
     w_strides = (w.stride(0), w.stride(1), w.stride(2) if shrink else w.stride(0))
-    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(max(sizes))))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     if inp.is_cuda:  # as many pipeline stages as shared memory holds (fp32 tiles are twice bf16's)
         stage = (block_m * block_k + block_k * block_n) * max(inp.element_size(), w.element_size())
         num_stages = max(1, min(num_stages, _shared_memory(inp.device.index) // stage))
-    grid = (triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n), num_segments)
+    # Column tiles slice by slice: slice j has tiles `ends[j - 1]:ends[j]` and columns
+    # `bounds[j - 1]:bounds[j]` (from 0 for j = 0).
+    assert 1 <= len(sizes) <= 3, "up to three slices ([q|k|v]) in one launch"
+    ends = list(itertools.accumulate(triton.cdiv(size, block_n) for size in sizes))
+    bounds = list(itertools.accumulate(sizes))
+    pad = [0] * (3 - len(sizes))
+    grid = (triton.cdiv(max_seg_len, block_m), ends[-1], num_segments)
     _sgmv_kernel[grid](
         inp,
         w,
@@ -282,7 +315,8 @@ def _launch(
         starts,
         ranks,
         scales if scales is not None else inp,
-        n,
+        *(ends + pad)[:2],
+        *(bounds + pad),
         k,
         max_rank,
         inp.stride(0),
@@ -291,6 +325,7 @@ def _launch(
         out.stride(0),
         out.stride(1),
         SHRINK=shrink,
+        SLICES=len(sizes),
         PRECISION="ieee" if inp.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRETED,
         BLOCK_M=block_m,
@@ -300,6 +335,12 @@ def _launch(
     )
 
 
+def _blocks(blocks: dict[str, tuple[int, int, int, int]],
+            max_seg_len: int) -> tuple[int, int, int, int]:
+    """The block config for segments of up to `max_seg_len` rows: prefill's for long ones."""
+    return blocks["prefill" if max_seg_len >= PREFILL_ROWS else "short"]
+
+
 @functools.cache
 def _shared_memory(device: int | None) -> int:
     """Bytes of shared memory one program may use on this GPU."""
@@ -307,12 +348,17 @@ def _shared_memory(device: int | None) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages), from a sweep on an H100 (bf16, H=4096, out=6144,
-# r=16, 2048 tokens in 4 segments, CUDA graphs, padded slot stacks): shrink 13.3 -> 7.4 us,
-# expand 16.2 -> 9.7 us. Shrink is a long-K, narrow-N product (K = hidden): wide K tiles, deep
-# pipelining.
-_SHRINK_BLOCKS = (16, 64, 256, 4)
-_EXPAND_BLOCKS = (64, 64, 16, 2)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages) for short segments (decode-sized: an eager step of
+# decodes ordered by adapter, small chunks) and for prefill (segments of PREFILL_ROWS rows or
+# more). Short: from a sweep on an H100 (bf16, H=4096, out=6144, r=16, padded slot stacks).
+# Prefill: `benchmarks/lora_prefill.py --sweep` on an H200 (Llama-3-8B shapes, 8,192 tokens in
+# four segments, rank 16 in a pool of max rank 128): the shrink over the four projections took
+# 43 / 32 / 40 / 72 us instead of 152 / 58 / 104 / 158 with the short config (wider row tiles
+# read each weight tile for four times the rows), the expand 108 / 45 / 282 / 46 instead of
+# 183 / 51 / 322 / 55 (qkv / o / gate_up / down).
+PREFILL_ROWS = 64
+_SHRINK_BLOCKS = {"short": (16, 64, 256, 4), "prefill": (64, 32, 128, 3)}
+_EXPAND_BLOCKS = {"short": (64, 64, 16, 2), "prefill": (32, 128, 16, 2)}
 
 
 @triton.jit
@@ -325,7 +371,11 @@ def _sgmv_kernel(
     starts_ptr,
     ranks_ptr,
     scales_ptr,
-    N,
+    T1,
+    T2,
+    C1,
+    C2,
+    C3,
     K,
     R,
     s_in_t,
@@ -336,14 +386,26 @@ def _sgmv_kernel(
     s_out_t,
     s_out_n,
     SHRINK: tl.constexpr,
+    SLICES: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # One program: BLOCK_M rows of one segment x BLOCK_N output columns.
+    # One program: BLOCK_M rows of one segment x BLOCK_N output columns of one slice j, which
+    # has columns col0:N and column tiles first:T(j+1) (T1, T2: the tiles of slices 0, 0-1;
+    # C1, C2, C3: the columns of slices 0, 0-1, 0-2).
     pid_m, pid_n, seg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    j, first, col0, N = 0, 0, 0, C1
+    if SLICES > 1:
+        later = pid_n >= T1
+        j, first = tl.where(later, 1, j), tl.where(later, T1, first)
+        col0, N = tl.where(later, C1, col0), tl.where(later, C2, N)
+    if SLICES > 2:
+        later = pid_n >= T2
+        j, first = tl.where(later, 2, j), tl.where(later, T2, first)
+        col0, N = tl.where(later, C2, col0), tl.where(later, C3, N)
     slot = tl.load(slots_ptr + seg)
     start = tl.load(indptr_ptr + seg)
     end = tl.load(indptr_ptr + seg + 1)
@@ -353,7 +415,7 @@ def _sgmv_kernel(
     rank = tl.load(ranks_ptr + slot)  # loaded together with its rows' start
     w_base = w_ptr + tl.load(starts_ptr + slot).to(tl.int64) * s_w_u
     rows = row0 + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col0 + (pid_n - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < end
     if SHRINK:  # column n = j * R + i is row i of slice j of A; t is 0 at i >= rank already
@@ -362,11 +424,12 @@ def _sgmv_kernel(
         w_cols = i * s_w_u + (cols // R) * s_w_n
         k_end = K
         # no live column if neither the tile's first one nor the next slice's i = 0 is
-        n0 = pid_n * BLOCK_N
+        n0 = col0 + (pid_n - first) * BLOCK_N
         n1 = n0 - n0 % R + R
         dead = (rank == 0) | ((n0 % R >= rank) & ((n1 >= n0 + BLOCK_N) | (n1 >= N)))
     else:  # k = i is row i of B: read only the adapter's rank entries of t and rows of B
         col_ok = cols < N
+        in_ptr += j * R * s_in_k  # slice j's columns of t
         w_cols = cols * s_w_n
         k_end = rank
         dead = rank == 0

@@ -30,7 +30,7 @@ import torch
 
 from kernels.bgmv import bgmv_expand_slices, bgmv_shrink
 from kernels.seg_lora import EXPAND_CONFIG, MAX_ROWS, seg_expand_triton, seg_lora, seg_shrink
-from kernels.sgmv import sgmv_expand, sgmv_expand_slices_torch, sgmv_shrink
+from kernels.sgmv import sgmv_expand_slices, sgmv_shrink
 from kernels.upload import upload
 
 
@@ -144,7 +144,7 @@ def lora_expand_slices(
 ) -> None:
     """Expand a (fused) projection: slice j (columns `sum(sizes[:j]) :` of the pool, `sizes[j]`
     of them) reads `t[:, j * R : (j + 1) * R]` and adds `scale * t_j @ B_j^T` into the same
-    output columns of y (`[q|k|v]` or `[gate|up]`). BGMV does every slice in one launch.
+    output columns of y (`[q|k|v]` or `[gate|up]`), every slice in one launch.
 
     Args:
         y: [T, sum(sizes)]; t: [T, len(sizes) * R]; b_pool: [U, sum(sizes)].
@@ -154,16 +154,8 @@ def lora_expand_slices(
         bgmv_expand_slices(y, t, b_pool, sizes, tab.starts, tab.ranks, info.token_slots,
                            tab.scales)
         return
-    if not y.is_cuda:  # one pass over the segments for every slice
-        sgmv_expand_slices_torch(y, t, b_pool, sizes, tab.starts, tab.ranks, info.seg_indptr,
-                                 info.seg_slots, tab.scales)
-        return
-    offset, r = 0, tab.max_rank
-    for j, n in enumerate(sizes):
-        sgmv_expand(y, t[:, j * r : (j + 1) * r], b_pool[:, offset : offset + n], tab.starts,
-                    tab.ranks, info.seg_indptr, info.seg_slots, tab.scales, info.max_seg_len,
-                    offset)
-        offset += n
+    sgmv_expand_slices(y, t, b_pool, sizes, tab.starts, tab.ranks, info.seg_indptr,
+                       info.seg_slots, tab.scales, info.max_seg_len)
 
 
 def lora_shrink_expand(

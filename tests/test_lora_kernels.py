@@ -128,15 +128,16 @@ class Batch:
 
 
 def make_batch(
-    kind: str, pool: Pool, dist: str, gen: torch.Generator, decodes: int = DECODES
+    kind: str, pool: Pool, dist: str, gen: torch.Generator, decodes: int = DECODES,
+    seq_lens: list[int] = SEQ_LENS,
 ) -> Batch:
     num_slots = pool.ranks.shape[0]
     if kind == "sgmv":
-        slots = slots_for(dist, len(SEQ_LENS), gen, num_slots)
-        indptr = torch.tensor([0, *SEQ_LENS]).cumsum(0).to(DEVICE, torch.int32)
+        slots = slots_for(dist, len(seq_lens), gen, num_slots)
+        indptr = torch.tensor([0, *seq_lens]).cumsum(0).to(DEVICE, torch.int32)
         seg_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
-        args = (indptr, seg_slots, max(SEQ_LENS))
-        token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(SEQ_LENS))
+        args = (indptr, seg_slots, max(seq_lens))
+        token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(seq_lens))
     else:
         token_slots = torch.tensor(slots_for(dist, decodes, gen, num_slots))
         args = (token_slots.to(DEVICE, torch.int32),)
@@ -326,6 +327,49 @@ def test_bgmv_expand_slices(triton_ready, dtype, dist):
     assert_close(y_tri, y_ref, dtype)
     expected = loop_expand(pool, batch, batch.y, batch.t)[:, OFFSET : OFFSET + sum(pool.sizes)]
     assert_close(y_ref, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_n", [16, 64])
+@pytest.mark.parametrize("dist", ["distinct", "uniform"])
+def test_sgmv_expand_slices(triton_ready, monkeypatch, dtype, block_n, dist):
+    """One launch over a fused, unequal [q|k|v]-like output equals one expand per slice; at
+    16-column tiles the slices take 3, 2 and 1 tiles, so programs find their slice past the
+    first tile of the one before."""
+    monkeypatch.setitem(sgmv._EXPAND_BLOCKS, "short", (64, block_n, 16, 2))
+    gen = seeded("sgmv slices", dtype, block_n, dist)
+    pool = make_pool(dtype, gen, num_slices=3)
+    batch = make_batch("sgmv", pool, dist, gen)
+    y = batch.y[:, OFFSET : OFFSET + sum(pool.sizes)]  # fused output columns
+    indptr, seg_slots, max_len = batch.args
+    common = (pool.sizes, pool.starts, pool.ranks, indptr, seg_slots, pool.scales)
+    y_tri, y_ref = y.clone(), y.clone()
+    sgmv.sgmv_expand_slices_triton(y_tri, batch.t, pool.b, *common, max_len)
+    sgmv.sgmv_expand_slices_torch(y_ref, batch.t, pool.b, *common)
+    assert_close(y_tri, y_ref, dtype)
+    expected = loop_expand(pool, batch, batch.y, batch.t)[:, OFFSET : OFFSET + sum(pool.sizes)]
+    assert_close(y_ref, expected, dtype)
+
+
+@pytest.mark.parametrize("num_slices", [1, 3])
+def test_sgmv_prefill_blocks(triton_ready, num_slices):
+    """A segment of `PREFILL_ROWS` rows or more switches both kernels to the prefill blocks:
+    one of PREFILL_ROWS + 6 rows (a full row tile and a partial one) beside short segments,
+    against the token loop."""
+    dtype = torch.bfloat16
+    gen = seeded("prefill", num_slices)
+    pool = make_pool(dtype, gen, num_slices)
+    seq_lens = [3, sgmv.PREFILL_ROWS + 6, 0, 20, 2, 5]
+    batch = make_batch("sgmv", pool, "distinct", gen, seq_lens=seq_lens)
+    assert sgmv._blocks(sgmv._SHRINK_BLOCKS, batch.args[2]) == sgmv._SHRINK_BLOCKS["prefill"]
+    t = shrink("sgmv", "triton", pool, batch)
+    assert_close(t, loop_shrink(pool, batch), dtype)
+    y = batch.y.clone()
+    indptr, seg_slots, max_len = batch.args
+    out = y[:, OFFSET : OFFSET + sum(pool.sizes)]
+    sgmv.sgmv_expand_slices_triton(out, batch.t, pool.b, pool.sizes, pool.starts, pool.ranks,
+                                   indptr, seg_slots, pool.scales, max_len)
+    assert_close(y, loop_expand(pool, batch, batch.y, batch.t), dtype)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -1,0 +1,180 @@
+"""LoRA prefill against the base model on a CUDA device (issue #37 item 4):
+`python benchmarks/lora_prefill.py --out sections.jsonl [--sweep] [--sections engine kernels]`
+(`benchmarks/gpu_suite.py --parts lora_prefill` runs it into `h100.json`).
+
+engine   64 prompts of 2,048 tokens, one output token each, through the offline engine at
+         the GPU defaults: prompt tokens/s with 8 adapters (rank 16 on all 7 projections, one
+         per request in turn) ÷ the same prompts on the base model, rounds interleaved, the
+         best of each (`lora_prefill_vs_base`).
+kernels  one prefill step's LoRA at Llama-3-8B shapes (8,192 tokens in four 2,048-token
+         segments, each its own adapter) per fused projection: the base GEMM, the LoRA shrink
+         and expand, and the bytes the expand must move (it reads and writes `y`), as a
+         fraction of the copy bandwidth. `--sweep` times other block configs of the SGMV
+         kernels too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+from gpu_common import Recorder, random_prompts, write_adapter
+from triton.testing import do_bench
+
+from engine import LLM, SamplingParams
+from kernels import sgmv
+from lora.batch import LoraBatchInfo, SlotTable, lora_expand_slices, lora_shrink
+
+HIDDEN, INTER, Q, KV = 4096, 14336, 4096, 1024
+PROJECTIONS = {"qkv_proj": (HIDDEN, [Q, KV, KV]), "o_proj": (Q, [HIDDEN]),
+               "gate_up_proj": (HIDDEN, [INTER, INTER]), "down_proj": (INTER, [HIDDEN])}
+BF16 = torch.bfloat16
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e-3
+
+
+def copy_bandwidth() -> float:
+    x = torch.randn(2**28, device="cuda", dtype=BF16)
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / bench(lambda: y.copy_(x))
+
+
+def kernels(rank: int, max_rank: int, tokens: int, segments: int, sweep: bool) -> dict:
+    """Per projection: base GEMM, shrink and expand times (µs) for one prefill step."""
+    bw = copy_bandwidth()
+    out: dict = {"copy_bw": round(bw), "rank": rank, "max_rank": max_rank, "tokens": tokens,
+                 "segments": segments}
+    info = LoraBatchInfo.build(list(range(segments)), [tokens // segments] * segments, "cuda")
+    for name, (k, sizes) in PROJECTIONS.items():
+        row = _projection(k, sizes, rank, max_rank, tokens, segments, info, bw, sweep)
+        out[name] = {key: (round(v, 1) if isinstance(v, float) else v) for key, v in row.items()}
+        print(name, json.dumps(out[name])[:400], flush=True)
+    return out
+
+
+def _projection(k: int, sizes: list[int], rank: int, max_rank: int, tokens: int,
+                segments: int, info: LoraBatchInfo, bw: float, sweep: bool) -> dict:
+    n = sum(sizes)
+    rows = segments * max_rank
+    a_pool = torch.randn(rows, len(sizes), k, device="cuda", dtype=BF16) / k**0.5
+    b_pool = torch.randn(rows, n, device="cuda", dtype=BF16) * 0.02
+    starts = torch.arange(segments, device="cuda", dtype=torch.int32) * max_rank
+    ranks = torch.full((segments,), rank, device="cuda", dtype=torch.int32)
+    table = SlotTable(starts, ranks, torch.ones(segments, device="cuda"), max_rank)
+    x = torch.randn(tokens, k, device="cuda", dtype=BF16)
+    w = torch.randn(n, k, device="cuda", dtype=BF16) / k**0.5
+    y = torch.empty(tokens, n, device="cuda", dtype=BF16)
+    t = lora_shrink(x, a_pool, table, info)
+
+    def shrink() -> None:
+        lora_shrink(x, a_pool, table, info)
+
+    def expand() -> None:
+        lora_expand_slices(y, t, b_pool, sizes, table, info)
+
+    row: dict = {"base_us": bench(lambda: torch.matmul(x, w.t(), out=y)) * 1e6,
+                 "shrink_us": bench(shrink) * 1e6, "expand_us": bench(expand) * 1e6}
+    # The expand reads and writes y; the shrink reads x: their floor at the copy bandwidth.
+    row["expand_floor_us"] = 2 * y.nbytes / bw * 1e6
+    row["shrink_floor_us"] = x.nbytes / bw * 1e6
+    row["lora_vs_base"] = row["base_us"] / (row["base_us"] + row["shrink_us"] + row["expand_us"])
+    if sweep:
+        row["shrink_sweep"] = _sweep("_SHRINK_BLOCKS", shrink, list(itertools.product(
+            (16, 32, 64, 128), (32, 64), (64, 128, 256), (3, 4))))
+        row["expand_sweep"] = _sweep("_EXPAND_BLOCKS", expand, [
+            (m, nn, 16, s) for m, nn, s in itertools.product((32, 64, 128), (64, 128, 256),
+                                                              (1, 2, 3))])
+    # torch's grouped path (one cuBLAS product per segment and slice), for reference
+    row["torch_us"] = bench(lambda: _torch_lora(y, x, a_pool, b_pool, sizes, table, info)) * 1e6
+    return row
+
+
+def _torch_lora(y, x, a_pool, b_pool, sizes, table, info) -> None:
+    t = sgmv.sgmv_shrink_torch(x, a_pool, table.starts, table.ranks, table.max_rank,
+                               info.seg_indptr, info.seg_slots, info.max_seg_len)
+    sgmv.sgmv_expand_slices_torch(y, t, b_pool, sizes, table.starts, table.ranks,
+                                  info.seg_indptr, info.seg_slots, table.scales)
+
+
+def _sweep(attr: str, fn, configs) -> list:
+    """(config, µs) for every prefill config that runs, fastest first; the module's default
+    restored."""
+    blocks = getattr(sgmv, attr)
+    default = blocks["prefill"]
+    times = []
+    try:
+        for cfg in configs:
+            blocks["prefill"] = cfg
+            try:
+                times.append((cfg, round(bench(fn) * 1e6, 1)))
+            except Exception as e:  # noqa: BLE001 - out of resources: skip the config
+                times.append((cfg, str(e)[:60]))
+    finally:
+        blocks["prefill"] = default
+    ok = sorted((c for c in times if isinstance(c[1], float)), key=lambda c: c[1])
+    return [[list(c), us] for c, us in ok[:8]] + [["default", dict(times).get(default)]]
+
+
+def engine(model: str, adapter_dir: Path, prompts_n: int, length: int, adapters: int,
+           rank: int, rounds: int) -> dict:
+    """Prompt tokens/s of `prompts_n` prompts of `length` tokens, base vs LoRA."""
+    llm = LLM(model)  # the GPU defaults (`EngineConfig.resolve`)
+    cfg = llm.engine.model_config
+    for k in range(adapters):
+        folder = adapter_dir / f"p{k}-r{rank}"
+        write_adapter(folder, cfg, rank, seed=k, device="cuda")
+        llm.load_adapter(f"p{k}", folder)
+    prompts = random_prompts(prompts_n, length, seed=3, vocab=cfg.vocab_size)
+
+    def one(adapter_of) -> float:
+        llm.engine.reset_prefix_cache()
+        params = [SamplingParams(max_tokens=1, temperature=0, adapter=adapter_of(i))
+                  for i in range(prompts_n)]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        return prompts_n * length / (time.perf_counter() - t)
+
+    runs: dict[str, list[float]] = {"base": [], "lora": []}
+    one(lambda i: None)
+    one(lambda i: f"p{i % adapters}")  # compiles, loads the slots
+    for _ in range(rounds):
+        runs["base"].append(round(one(lambda i: None)))
+        runs["lora"].append(round(one(lambda i: f"p{i % adapters}")))
+    return {"prompt_tok_s": runs, "adapters": adapters, "rank": rank, "prompts": prompts_n,
+            "length": length, "max_num_batched_tokens": llm.engine.cfg.max_num_batched_tokens,
+            "lora_prefill_vs_base": round(max(runs["lora"]) / max(runs["base"]), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="synthetic:llama3-8b")
+    ap.add_argument("--out", type=Path, required=True, help="JSON lines, one per section")
+    ap.add_argument("--adapter-dir", type=Path, default=Path("/tmp/lora_prefill"))
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole worker")
+    ap.add_argument("--sections", nargs="+", default=["kernels", "engine"])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    rec = Recorder(args.out, args.budget)
+    if "kernels" in args.sections:
+        with rec.section("lora_prefill_kernels", 150) as s:
+            s.result["device"] = torch.cuda.get_device_name()
+            for rank in (16, 64):
+                s.result[f"r{rank}"] = kernels(rank, 128, 8192, 4, args.sweep and rank == 16)
+    if "engine" in args.sections:
+        with rec.section("lora_prefill", 120) as s:
+            s.result.update(engine(args.model, args.adapter_dir / "prefill", 64, 2048, 8, 16,
+                                   args.rounds))
+            print(json.dumps(s.result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
