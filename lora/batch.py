@@ -98,6 +98,14 @@ class LoraBatchInfo:
         return cls(seg_indptr[:0], seg_indptr, seg_slots, MAX_ROWS, "segmented", has_lora=True)
 
     @classmethod
+    def static(cls, seg_indptr: torch.Tensor, seg_slots: torch.Tensor,
+               max_rows: int) -> LoraBatchInfo:
+        """SGMV over a CUDA graph's static segment table (`segment_table` with segments of at
+        most `max_rows` rows, padded with empty ones): the grid depends only on the table's
+        capacity and `max_rows`. The piecewise graphs' steps (prefill) use it."""
+        return cls(seg_indptr[:0], seg_indptr, seg_slots, max_rows, "sgmv", has_lora=True)
+
+    @classmethod
     def per_token(cls, token_slots: torch.Tensor) -> LoraBatchInfo:
         """BGMV over a CUDA graph's static per-token slots (-1 on padding rows)."""
         empty = token_slots[:0]

@@ -37,7 +37,10 @@ def _record_logits(llm: LLM) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "llama+lora"])
-def test_pieces_give_the_forwards_logits(tmp_path, kind):
+def test_pieces_give_the_forwards_logits(tmp_path, monkeypatch, kind):
+    from engine.runner import piecewise_graphs
+
+    monkeypatch.setattr(piecewise_graphs, "SEGMENT_ROWS", 16)  # steps of 48 rows cut runs
     base = save_tiny(tmp_path / "base", kind.removesuffix("+lora"), num_hidden_layers=2)
     save_word_tokenizer(base)
     adapters = ["a", "b"] if kind.endswith("+lora") else []
@@ -45,7 +48,7 @@ def test_pieces_give_the_forwards_logits(tmp_path, kind):
         save_peft_adapter(base, tmp_path / name, seed=i)
     gen = torch.Generator().manual_seed(1)
     # Lengths past the step budget (chunked prefill), prompts beside decodes: mixed steps;
-    # with adapters, steps mix their rows and base rows (segments cut at 16 rows).
+    # with adapters, steps mix their rows and base rows, their runs cut at 16 rows.
     prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (5, 70, 23, 41, 9)]
     which = [None, "a", None, "b", "a"] if adapters else [None] * len(prompts)
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, adapter=a)
@@ -79,7 +82,8 @@ def test_pieces_give_the_forwards_logits(tmp_path, kind):
 
 
 def test_lora_segments_fit_the_capacity(tmp_path):
-    """The worst case: every sequence alone in its adapter, each cut at 16 rows."""
+    """The worst case: every sequence alone in its adapter, each cut at `SEGMENT_ROWS`."""
+    from engine.runner.piecewise_graphs import SEGMENT_ROWS
     from kernels.seg_lora import segment_table
 
     base = save_tiny(tmp_path / "base", "llama", num_hidden_layers=1)
@@ -90,5 +94,5 @@ def test_lora_segments_fit_the_capacity(tmp_path):
     for b in pw.sizes:  # 5 sequences, adapters 0, 1, 0, 1, 0
         for lengths in ([b - 4, 1, 1, 1, 1], [b // 5] * 4 + [b - 4 * (b // 5)]):
             slots = [i % 2 for i, n in enumerate(lengths) for _ in range(n)]
-            indptr, _ = segment_table(slots, pw.segment_capacity(b))
+            indptr, _ = segment_table(slots, pw.segment_capacity(b), SEGMENT_ROWS)
             assert indptr[-1] == b

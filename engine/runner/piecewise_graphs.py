@@ -17,11 +17,15 @@ pieces of the smallest size `b >= T` and runs each layer's attention eagerly in 
 never read (every op of a piece is row by row). The pieces pass the residual stream, the rotary
 tables and the queries through static buffers; the graphs share one memory pool.
 
-With LoRA, each size has a second set of pieces whose projections run `kernels.seg_lora` over
-a static segment table (runs of rows with one adapter, cut at `MAX_ROWS` rows; its capacity,
-not the step's adapters, sizes the grid), refilled before a replay; a base-only step replays
-the first set. Tensor-parallel models stay eager, as do steps of more than
-`PIECEWISE_MAX_TOKENS` (engine/runner/model_runner.py), whose GPU time dwarfs their launches.
+With LoRA, each size has a second set of pieces whose projections run SGMV (`kernels.sgmv`)
+over a static segment table (runs of rows with one adapter, cut at `SEGMENT_ROWS` rows; its
+capacity, not the step's adapters, sizes the grid), refilled before a replay; a base-only step
+replays the first set. These steps prefill, so their segments are long: SGMV's prefill tiles
+read each adapter tile once per 64 rows, where the decode graphs' `kernels.seg_lora` (16-row
+segments, K split over programs) made a 2,048-token step's LoRA 4-10x slower per projection
+(benchmarks/results/lora_prefill_h200.md). Tensor-parallel models stay eager, as do steps of
+more than `PIECEWISE_MAX_TOKENS` (engine/runner/model_runner.py), whose GPU time dwarfs their
+launches.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ import torch
 from engine.runner.cuda_graphs import capture_graph, gc_paused
 from engine.runner.models.llama import DecoderLayer, LlamaForCausalLM
 from kernels.attention import AttentionMetadata, paged_attention
-from kernels.seg_lora import MAX_ROWS, segment_table
+from kernels.seg_lora import segment_table
+from kernels.sgmv import PREFILL_ROWS
 from kernels.upload import upload
 from lora.batch import LoraBatchInfo
 from lora.layers import LoraContext
 
 KV = tuple[torch.Tensor, torch.Tensor]
+SEGMENT_ROWS = PREFILL_ROWS  # the LoRA segments' rows: SGMV's prefill tiles take them whole
 
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
@@ -94,9 +100,9 @@ class PiecewiseGraphs:
         return num_tokens <= self.sizes[-1]
 
     def segment_capacity(self, b: int) -> int:
-        """Segments of a step of at most `b` tokens in `max_seqs` sequences: each run of one
-        adapter is cut into pieces of `MAX_ROWS` rows."""
-        return -(-b // MAX_ROWS) + self.max_seqs
+        """Segments of a step of at most `b` tokens in at most `max_seqs` sequences: each run
+        of one adapter is cut into pieces of `SEGMENT_ROWS` rows."""
+        return -(-b // SEGMENT_ROWS) + min(self.max_seqs, b)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -135,7 +141,8 @@ class PiecewiseGraphs:
         if lora:  # the padding rows are in no segment
             assert token_slots is not None and self.lora is not None
             cap = self.segment_capacity(b)
-            indptr, seg_slots = upload(list(segment_table(token_slots, cap)), torch.int32,
+            indptr, seg_slots = upload(list(segment_table(token_slots, cap, SEGMENT_ROWS)),
+                                       torch.int32,
                                        self.seg_slots.device)
             self.seg_indptr[: cap + 1].copy_(indptr)
             self.seg_slots[:cap].copy_(seg_slots)
@@ -154,8 +161,8 @@ class PiecewiseGraphs:
         if self.lora is None:
             return
         cap = self.segment_capacity(b)
-        self.lora.info = (LoraBatchInfo.segmented(self.seg_indptr[: cap + 1],
-                                                  self.seg_slots[:cap]) if lora else None)
+        self.lora.info = (LoraBatchInfo.static(self.seg_indptr[: cap + 1], self.seg_slots[:cap],
+                                               SEGMENT_ROWS) if lora else None)
 
     def _replay(self, pieces: list[torch.cuda.CUDAGraph] | None, i: int, b: int) -> None:
         if pieces is None:
