@@ -18,6 +18,7 @@ kernels  one prefill step's LoRA at Llama-3-8B shapes (8,192 tokens in four 2,04
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import time
@@ -191,7 +192,7 @@ def engine(model: str, adapter_dir: Path, prompts_n: int, length: int, adapters:
         llm.load_adapter(f"p{k}", folder)
     prompts = random_prompts(prompts_n, length, seed=3, vocab=cfg.vocab_size)
 
-    def one(adapter_of) -> float:
+    def one(llm: LLM, adapter_of) -> float:
         llm.engine.reset_prefix_cache()
         params = [SamplingParams(max_tokens=1, temperature=0, adapter=adapter_of(i))
                   for i in range(prompts_n)]
@@ -202,13 +203,17 @@ def engine(model: str, adapter_dir: Path, prompts_n: int, length: int, adapters:
         return prompts_n * length / (time.perf_counter() - t)
 
     runs: dict[str, list[float]] = {"base": [], "lora": []}
-    one(lambda i: None)
-    one(lambda i: f"p{i % adapters}")  # compiles, loads the slots
+    one(llm, lambda i: None)
+    one(llm, lambda i: f"p{i % adapters}")  # compiles, loads the slots
     for _ in range(rounds):
-        runs["base"].append(round(one(lambda i: None)))
-        runs["lora"].append(round(one(lambda i: f"p{i % adapters}")))
+        runs["base"].append(round(one(llm, lambda i: None)))
+        runs["lora"].append(round(one(llm, lambda i: f"p{i % adapters}")))
+    tokens = llm.engine.cfg.max_num_batched_tokens
+    del llm  # its weights and KV pool make room for the next section's engine
+    gc.collect()
+    torch.cuda.empty_cache()
     return {"prompt_tok_s": runs, "adapters": adapters, "rank": rank, "prompts": prompts_n,
-            "length": length, "max_num_batched_tokens": llm.engine.cfg.max_num_batched_tokens,
+            "length": length, "max_num_batched_tokens": tokens,
             "lora_prefill_vs_base": round(max(runs["lora"]) / max(runs["base"]), 3)}
 
 
