@@ -179,10 +179,18 @@ def from_pydantic(e: ValidationError) -> APIError:
                                     include_input=False))
 
 
+# Bodies are validated from their parsed JSON (gateway/body.py), whose type errors pydantic
+# words in Python's terms: they are said in JSON's, as validating the bytes would.
+JSON_TYPE_ERRORS = {"list_type": "Input should be a valid array",
+                    "dict_type": "Input should be an object",
+                    "model_type": "Input should be an object",
+                    "model_attributes_type": "Input should be an object"}
+
+
 def _problem(param: str, err: ErrorDetails) -> str:
     """One pydantic error as a sentence (no final period), its message clipped."""
-    msg = clip(str(err.get("msg", "invalid value")).removeprefix("Value error, "),
-               MAX_PROBLEM_CHARS)
+    msg = JSON_TYPE_ERRORS.get(err.get("type", ""), err.get("msg", "invalid value"))
+    msg = clip(str(msg).removeprefix("Value error, "), MAX_PROBLEM_CHARS)
     if err.get("type") == "missing":
         return f"Missing required parameter: '{param}'"
     if err.get("type") == "extra_forbidden":
