@@ -73,7 +73,7 @@ class LLM:
         order = []
         for ids, p in zip(token_lists, plist, strict=True):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
+            self.engine.add_request(rid, ids, p, validated=True)
             results[rid] = CompletionOutput(rid, ids)
             order.append(rid)
         while self.engine.has_unfinished_requests():

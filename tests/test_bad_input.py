@@ -51,6 +51,22 @@ def test_bad_prompts_refused_before_the_batch(smollm2):
     assert smollm2.generate("fine", SamplingParams(max_tokens=2))[0].finish_reason == "length"
 
 
+def test_generate_checks_each_request_once(smollm2, monkeypatch):
+    """`LLM.generate` checks the whole call before adding any of it, and `add_request` does
+    not check those requests again; a request added directly is checked where it is added."""
+    from engine.core import engine as engine_module
+
+    calls = []
+    check = engine_module.check_request
+    monkeypatch.setattr(engine_module, "check_request",
+                        lambda *a: calls.append(a[0]) or check(*a))
+    smollm2.generate([[5, 6], [7, 8, 9]], SamplingParams(max_tokens=1))
+    assert calls == [[5, 6], [7, 8, 9]]
+    with pytest.raises(InvalidRequestError):
+        smollm2.engine.add_request("direct", [], SamplingParams())
+    assert calls[-1] == []
+
+
 def test_bad_request_does_not_disturb_running_ones(smollm2):
     eng = smollm2.engine
     eng.add_request("good", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))

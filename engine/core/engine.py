@@ -195,10 +195,15 @@ class LLMEngine:
         params: SamplingParams,
         tenant: str = "default",
         session_id: str | None = None,
+        *,
+        validated: bool = False,
     ) -> Request:
+        """Queue a request (`validated`: the caller has run `validate` on it, as `LLM.generate`
+        does for a whole call before adding any of it)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        self.validate(prompt_token_ids, params)
+        if not validated:
+            self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, tenant, session_id=session_id)
         if params.adapter is not None:
             try:
