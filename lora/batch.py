@@ -14,10 +14,11 @@ both at once being `lora_shrink_expand`. A fused projection (`qkv_proj` rows `[q
 Kernel choice (`LoraBatchInfo.kernel`): runs of tokens sharing an adapter are merged into
 segments. When segments average at least two tokens (prefill, chunks, decodes ordered by
 adapter) SGMV does one grouped product per segment; otherwise (decodes with interleaved
-adapters) BGMV gathers per token. CUDA graphs use `kernels.seg_lora` over a fixed-capacity
-segment table in static buffers (`LoraBatchInfo.segmented`), so that the grid does not depend
-on the step's adapters, or BGMV over static per-token slots when the step has many segments
-(`graph_kernel`). Every path gives the same result; this is only about speed.
+adapters) BGMV gathers per token. CUDA graphs hold static tables, so that the grid does not
+depend on the step's adapters: the decode graphs run `kernels.seg_lora` over 16-row segments
+(`LoraBatchInfo.segmented`), or BGMV over per-token slots when the step has many segments
+(`graph_kernel`); the piecewise graphs, whose steps prefill, run SGMV over 64-row segments
+(`LoraBatchInfo.static`). Every path gives the same result; this is only about speed.
 """
 
 from __future__ import annotations
