@@ -224,7 +224,9 @@ def collect(model, sections, tests, workers, seconds, quick) -> dict:
     import triton
 
     setup = sections.get("setup", {}).get("result", {})
-    res = {"device": setup.get("device"), "model": model, "quick": quick,
+    device = setup.get("device") or (torch.cuda.get_device_name() if torch.cuda.is_available()
+                                     else None)  # runs without the engine part have no setup
+    res = {"device": device, "model": model, "quick": quick,
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
            "triton": triton.__version__, "transformers": transformers.__version__,
            "copy_bw_bytes_per_s": setup.get("copy_bw")}
@@ -260,7 +262,7 @@ def merge(old: dict, new: dict, run: set[str]) -> dict:
             merged[key] = new[key]
     merged["targets"] = TARGETS
     merged.setdefault("runs", [{"date": old.get("date"), "parts": ["a full run of its day"]}])
-    merged["runs"].append({"date": new["date"], "parts": sorted(run)})
+    merged["runs"].append({"date": new["date"], "parts": sorted(run), "device": new["device"]})
     return merged
 
 
@@ -268,7 +270,9 @@ def render(r: dict) -> str:
     lines = [f"GPU suite: {r['device']}, {r['model']}, torch {r['torch']}, triton "
              f"{r['triton']}, transformers {r['transformers']}, {r['date']}, "
              f"{r['suite_seconds']} s{' (quick)' if r['quick'] else ''}",
-             *(f"Merged run {run['date']}: {', '.join(run['parts'])}" for run in r.get("runs", [])),
+             *(f"Merged run {run['date']}: {', '.join(run['parts'])}"
+               + (f" (on {run['device']})" if run.get("device") else "")
+               for run in r.get("runs", [])),
              f"GPU tests: {r['gpu_tests'].get('status')} ({r['gpu_tests'].get('summary', '')})",
              _serve_line(r.get("serve_smoke", {})),
              "", "| figure | value | target | note |", "|---|---|---|---|"]
