@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
+from engine.llm import CompletionOutput
 from lora.validate import projection_dims
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -244,3 +245,20 @@ def first_token(eng: Any, rid: str, prompt: list[int],
 def greedy(max_tokens: int, adapter: str | None = None, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, adapter=adapter,
                           **kw)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
+                   device: str) -> tuple[list[CompletionOutput], float]:
+    """`llm.generate` from an empty prefix cache (a repeated workload would otherwise skip its
+    prefills): its outputs and its seconds, the device synchronized on both sides."""
+    llm.engine.reset_prefix_cache()
+    sync(device)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(device)
+    return outs, time.perf_counter() - t

@@ -55,6 +55,8 @@ from gpu_common import (
     greedy,
     kv_bytes_per_token,
     random_prompts,
+    sync,
+    timed_generate,
     weight_bytes,
     write_adapter,
 )
@@ -72,11 +74,6 @@ TOOLS = [{"type": "function", "function": {"name": "search_logs", "parameters": 
 SCHEMA = {"type": "object", "properties": {"cause": {"type": "string", "maxLength": 40},
                                            "severity": {"type": "integer"}},
           "required": ["cause", "severity"], "additionalProperties": False}
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def sampled(i: int, max_tokens: int) -> SamplingParams:
@@ -101,12 +98,8 @@ def offline_tok_s(llm: LLM, prompts, outputs, make, device: str) -> float:
     """Output tokens/s of one offline run; it starts from an empty prefix cache, as the HTTP
     run does (a repeated workload would otherwise skip its prefills)."""
     params = [make(i, m) for i, m in enumerate(outputs)]
-    llm.engine.reset_prefix_cache()
-    sync(device)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync(device)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+    outs, seconds = timed_generate(llm, prompts, params, device)
+    return sum(len(o.token_ids) for o in outs) / seconds
 
 
 def offline_pools_tok_s(llm: LLM, prompts, outputs, pools: int, concurrency: int,

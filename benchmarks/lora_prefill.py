@@ -21,11 +21,10 @@ import argparse
 import gc
 import itertools
 import json
-import time
 from pathlib import Path
 
 import torch
-from gpu_common import Recorder, random_prompts, write_adapter
+from gpu_common import Recorder, random_prompts, timed_generate, write_adapter
 from triton.testing import do_bench
 
 from engine import LLM, SamplingParams
@@ -193,14 +192,9 @@ def engine(model: str, adapter_dir: Path, prompts_n: int, length: int, adapters:
     prompts = random_prompts(prompts_n, length, seed=3, vocab=cfg.vocab_size)
 
     def one(llm: LLM, adapter_of) -> float:
-        llm.engine.reset_prefix_cache()
         params = [SamplingParams(max_tokens=1, temperature=0, adapter=adapter_of(i))
                   for i in range(prompts_n)]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(prompts, params)
-        torch.cuda.synchronize()
-        return prompts_n * length / (time.perf_counter() - t)
+        return prompts_n * length / timed_generate(llm, prompts, params, "cuda")[1]
 
     runs: dict[str, list[float]] = {"base": [], "lora": []}
     one(llm, lambda i: None)

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
 from pathlib import Path
 
 import torch
-from gpu_common import Recorder, random_prompts, write_adapter
+from gpu_common import Recorder, random_prompts, timed_generate, write_adapter
 
 from engine import LLM, SamplingParams
 
@@ -39,15 +38,11 @@ def run(model: str | None, adapter_dir: Path, device: str, requests: int, adapte
     prompts = random_prompts(requests, prompt_len, seed=5, vocab=cfg.vocab_size)
 
     def tok_s(llm: LLM, lora: bool) -> float:
-        llm.engine.reset_prefix_cache()
         params = [SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True,
                                  adapter=f"t{i % adapters}" if lora else None)
                   for i in range(requests)]
-        sync(device)
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        sync(device)
-        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+        outs, seconds = timed_generate(llm, prompts, params, device)
+        return sum(len(o.token_ids) for o in outs) / seconds
 
     runs: dict[str, list[float]] = {"base": [], "lora": []}
     for _ in range(rounds):
@@ -61,11 +56,6 @@ def run(model: str | None, adapter_dir: Path, device: str, requests: int, adapte
     del llm
     gc.collect()
     return res
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
