@@ -1,6 +1,7 @@
 """The scheduler's one LoRA predicate, without a model: a request whose adapter is not
 resident waits and does not block the requests behind it, until it has waited past the
-fairness bound (`Scheduler.adapter_wait_s`): then requests for other adapters wait behind it."""
+fairness bound (`Scheduler.adapter_wait_s`): then one running adapter's slot drains for it,
+and no other adapter takes a slot before it."""
 
 from __future__ import annotations
 
@@ -106,3 +107,51 @@ def test_a_request_waiting_on_its_grammar_holds_nobody():
     sched.add(slow := req("x", "x"))
     sched.add(req("y2", "y"))
     assert ids(sched.schedule()) == ["y1", "y2"] and not slow.lora_waits
+
+
+def test_held_request_drains_one_slot_and_the_others_keep_running():
+    """x waits past the bound while y (one running request) and z (two) hold the slots. y's
+    slot is the one drained: later y requests wait, later z requests still start, and w (an
+    adapter in no running request's slot) waits behind x. Once y's request ends, x's adapter
+    loads into its slot and x starts ahead of the y and w requests."""
+    adapters = Adapters()
+    adapters.ready.update({"y", "z", "w"})
+    sched = Scheduler(PageAllocator(64), 4, 16, 64, adapters=adapters, adapter_wait_s=0.0)
+    y1, z1, z2 = req("y1", "y"), req("z1", "z"), req("z2", "z")
+    for r in (y1, z1, z2):
+        sched.add(r)
+    assert ids(sched.schedule()) == ["y1", "z1", "z2"]
+    starved = req("x", "x")
+    later = [req("y2", "y"), req("z3", "z"), req("w1", "w"), req("base")]
+    for r in (starved, *later):
+        sched.add(r)
+    batch = sched.schedule()
+    assert ids(batch) == ["y1", "z1", "z2", "z3", "base"]
+    assert [r.request_id for r in sched.waiting] == ["x", "y2", "w1"]
+    assert "w1" not in adapters.asked  # never asked: asking may load it into a free slot
+    sched.finish(y1, "stop")
+    adapters.ready.add("x")
+    assert ids(sched.schedule())[-3:] == ["x", "y2", "w1"]  # (the stand-in has room for all)
+
+
+def test_held_request_waits_at_most_for_the_drained_slot():
+    """The bound, stepped: one slot, adapters a and b with a steady stream of requests each,
+    and x held up. However long the streams, x starts as soon as the drained adapter's
+    running requests end, not when the queue empties."""
+    adapters = Adapters()
+    sched = Scheduler(PageAllocator(256), 4, 64, 256, adapters=adapters, adapter_wait_s=0.0)
+    adapters.ready.update({"a", "b"})
+    a0, b0, b1 = req("a0", "a"), req("b0", "b"), req("b1", "b")
+    for r in (a0, b0, b1):
+        sched.add(r)
+    sched.schedule()
+    sched.add(starved := req("x", "x"))
+    for step in range(5):  # more a and b requests arrive every step; a (fewest) drains
+        sched.add(req(f"a-late{step}", "a"))
+        sched.add(req(f"b-late{step}", "b"))
+        batch = sched.schedule()
+        assert not any(r.startswith("a-late") for r in ids(batch))
+        assert f"b-late{step}" in ids(batch) and starved in sched.waiting
+    sched.finish(a0, "stop")
+    adapters.ready.add("x")
+    assert "x" in ids(sched.schedule())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -189,24 +190,28 @@ class Scheduler:
 
         Adapters: requests whose adapters are resident go ahead of one whose adapter waits for
         room, but not for ever. Once a request has waited `adapter_wait_s` for its adapter
-        while requests with adapters run, the requests behind it that want other adapters wait
-        too: the running ones finish and unpin theirs, and the next admission makes room for
-        it. Base-model requests still start. So no request waits for its adapter more than
-        `adapter_wait_s` plus the longest remaining run of the adapter requests running then
-        (plus its adapter's load) beyond first-come order."""
+        while requests with adapters run, it is held for: no other adapter takes a slot, and
+        the running adapter with the fewest running requests (`_drained`) admits no more, so
+        its slot empties and the held request's adapter loads there (further slots drain, one
+        a step, while its rows do not fit). The other running adapters keep admitting their
+        requests, and base-model requests still start. So no request waits for its adapter
+        more than `adapter_wait_s`, plus the remaining run of the drained adapters' requests,
+        plus its adapter's load, beyond first-come order."""
         now = time.monotonic()
         held: tuple[str, str] | None = None  # the adapter of such a request
+        drained: tuple[str, str] | None = None
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             adapter = _adapter(req)
-            if held is not None and adapter is not None and adapter != held:
+            if held is not None and adapter not in (None, held) and (
+                    adapter == drained or not any(_adapter(r) == adapter for r in self.running)):
                 continue
             if not self._startable(req, batch):
                 if (held is None and adapter is not None and req.lora_waits
                         and now - req.added_at >= self.adapter_wait_s
                         and any(_adapter(r) is not None for r in self.running)):
-                    held = adapter
+                    held, drained = adapter, self._drained()
                 continue
             self.cache.attach(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -224,6 +229,13 @@ class Scheduler:
             batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
             budget -= n
         return True
+
+    def _drained(self) -> tuple[str, str] | None:
+        """The running adapter whose slot a held request takes: the one with the fewest running
+        requests (the first to run out), ties to the one first in running order."""
+        count: Counter[tuple[str, str]] = Counter(
+            a for r in self.running if (a := _adapter(r)) is not None)
+        return min(count, key=count.__getitem__, default=None)
 
     def _startable(self, req: Request, batch: Batch) -> bool:
         """The per-request predicates: its grammar is ready, its cached prefix on the device
