@@ -24,8 +24,10 @@ slot and free rows, so as many idle adapters go as make room. A slot is pinned w
 admitted request uses it; `pin=True` adapters are never evicted (at most `max_loras - 1` of
 them, so one slot always rotates). `add` / `remove` / `get` / `list` come from other threads
 (the gateway);
-one lock guards all state. Weights are copied host -> device only on the engine thread, inside
-`admit`, that is between forwards.
+one lock guards all state. A device load starts only on the engine thread, inside `admit`,
+that is between forwards; on a GPU it copies asynchronously from the pinned layout the loader
+thread made (`LoraSlots.pack`), and its requests are admitted once it has landed. So the host
+tier holds each adapter twice on a GPU: as validated, and packed.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch
 from lora.adapter import AdapterError, LoraAdapter, load_adapter
 from lora.info import AdapterExists, AdapterInfo, AdapterStats
 from lora.shape import BaseShape
-from lora.slots import LoraSlots
+from lora.slots import LoraSlots, PackedAdapter
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,8 @@ class _Entry:
     created: int = field(default_factory=lambda: int(time.time()))
     removed: bool = False
     adapter: LoraAdapter | None = None  # host tier
-    loading: Future[LoraAdapter] | None = None  # disk -> host read in flight
+    packed: PackedAdapter | None = None  # host tier, laid out for the device copy (GPU only)
+    loading: Future[tuple[LoraAdapter, PackedAdapter | None]] | None = None  # disk -> host
     slot: int | None = None  # device tier
     active: int = 0  # admitted requests using the slot (pins it)
 
@@ -144,7 +147,7 @@ class AdapterManager:
             raise AdapterError(name, [f"at most {self.max_loras - 1} adapters may be pinned"])
         if self.get(tenant, name) is not None:
             raise AdapterExists(name)
-        adapter = self._read(Path(path), name)
+        adapter, packed = self._read(Path(path), name)
         uid = content_uid(Path(path))  # before the lock: it reads every file
         with self._lock:
             if (tenant, name) in self._registry:
@@ -158,7 +161,7 @@ class AdapterManager:
             entry = _entry(tenant, name, folder, owned, adapter, pin, uid)
             entry.version = version
             self._registry[(tenant, name)] = entry
-            self._host_put(entry, adapter)
+            self._host_put(entry, adapter, packed)
             return self._info(entry)
 
     def remove(self, tenant: str, name: str) -> bool:
@@ -170,7 +173,7 @@ class AdapterManager:
                 return False
             entry.removed = True
             self._host.pop(entry, None)
-            entry.adapter = None
+            entry.adapter = entry.packed = None
             if entry.owned:
                 shutil.rmtree(entry.path, ignore_errors=True)
             for lease in self._leases:
@@ -222,6 +225,9 @@ class AdapterManager:
         with self._lock:
             if entry.slot is None and not self._make_resident(entry):
                 return False
+            assert self.slots is not None and entry.slot is not None
+            if not self.slots.ready(entry.slot):
+                return False  # its copy to the device is in flight
             entry.active += 1
             lease.slot = entry.slot  # type: ignore[assignment]
             self._slot_lru.move_to_end(entry.slot)  # type: ignore[arg-type]
@@ -258,6 +264,12 @@ class AdapterManager:
         if pending:
             wait_futures(pending, timeout, return_when="FIRST_COMPLETED")
 
+    def wait_for_copies(self) -> None:
+        """Block until the adapters' copies to the device in flight have landed."""
+        if self.slots is not None:
+            with self._lock:
+                self.slots.wait()
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -274,7 +286,7 @@ class AdapterManager:
                 return False
             future, entry.loading = entry.loading, None
             try:
-                self._host_put(entry, future.result())
+                self._host_put(entry, *future.result())
             except Exception as e:  # noqa: BLE001 - any failure fails its requests
                 problems = e.problems if isinstance(e, AdapterError) else [str(e)]
                 self._fail_waiting(entry, f"can no longer be loaded: {'; '.join(problems)}")
@@ -284,16 +296,16 @@ class AdapterManager:
         if slot is None:
             return False
         try:
-            self.slots.load(slot, entry.adapter)
+            self.slots.load(slot, entry.adapter, entry.packed)
         except Exception as e:  # noqa: BLE001 - one adapter's failure fails its requests only
             self.slots.clear(slot)
             self._host.pop(entry, None)  # its next use reads (and validates) the folder again
-            entry.adapter = None
+            entry.adapter = entry.packed = None
             self._fail_waiting(entry, f"could not be loaded into a device slot: {e}")
             return False
         self._owner[slot], entry.slot = entry, slot
         self.stats.loads["device"] += 1
-        return True
+        return self.slots.ready(slot)
 
     def _fail_waiting(self, entry: _Entry, problem: str) -> None:
         """Fail the requests waiting for `entry` (the engine takes them from `take_failed`)."""
@@ -308,7 +320,7 @@ class AdapterManager:
         order = sorted(self._slot_lru, key=lambda s: not getattr(self._owner[s], "removed", 0))
         idle = (s for s in order  # deleted adapters first, then by least recent use
                 if (o := self._owner[s]) is not None and o.active == 0
-                and (o.removed or not o.pinned))
+                and (o.removed or not o.pinned) and self.slots.ready(s))
         while True:
             empty = next((s for s, owner in enumerate(self._owner) if owner is None), None)
             if empty is not None and self.slots.fits(adapter):
@@ -326,8 +338,9 @@ class AdapterManager:
         if not old.removed:
             self.stats.evictions["device"] += 1
 
-    def _host_put(self, entry: _Entry, adapter: LoraAdapter) -> None:
-        entry.adapter = adapter
+    def _host_put(self, entry: _Entry, adapter: LoraAdapter,
+                  packed: PackedAdapter | None) -> None:
+        entry.adapter, entry.packed = adapter, packed
         self._host[entry] = None
         self._host.move_to_end(entry)
         self.stats.loads["host"] += 1
@@ -336,16 +349,19 @@ class AdapterManager:
             if victim is None:
                 break
             del self._host[victim]
-            victim.adapter = None
+            victim.adapter = victim.packed = None
             self.stats.evictions["host"] += 1
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _read(self, path: Path, name: str) -> LoraAdapter:
-        """disk -> host: read and validate (runs in the loader thread or the caller's)."""
+    def _read(self, path: Path, name: str) -> tuple[LoraAdapter, PackedAdapter | None]:
+        """disk -> host: read and validate, and on a GPU lay it out for the device copy (runs
+        in the loader thread or the caller's)."""
         if self.slots is None:
             raise AdapterError(name, ["LoRA is disabled on this server (--max-loras 0)"])
-        return load_adapter(path, self.base, max_rank=self.max_rank, name=name, dtype=self.dtype)
+        adapter = load_adapter(path, self.base, max_rank=self.max_rank, name=name,
+                               dtype=self.dtype)
+        return adapter, self.slots.pack(adapter) if self.slots.copy_stream is not None else None
 
     def _check_name(self, name: str) -> None:
         if not isinstance(name, str) or not NAME.fullmatch(name):
@@ -370,14 +386,14 @@ class AdapterManager:
                 continue  # .staging: an upload interrupted before validation
             tenant = unquote(folder.parent.name)
             try:
-                adapter = self._read(folder, folder.name)
+                adapter, packed = self._read(folder, folder.name)
             except Exception as e:  # noqa: BLE001 - written by another version, or damaged
                 log.warning("stored adapter %s is not served: %s", folder, e)
                 continue
             entry = _entry(tenant, folder.name, folder, True, adapter, False,
                            content_uid(folder))
             self._registry[(tenant, folder.name)] = entry
-            self._host_put(entry, adapter)
+            self._host_put(entry, adapter, packed)
 
     def _info(self, e: _Entry) -> AdapterInfo:
         tier = "device" if e.slot is not None else "host" if e.adapter is not None else "disk"

@@ -16,6 +16,12 @@ module whose own scale differs (PEFT's rank/alpha patterns) has the ratio folded
 Every layer places an adapter at the same rows, so one allocator per fused projection serves
 all layers. The kernels read an adapter's own rows only (`kernels.sgmv`), so the rest of a pool
 may hold anything.
+
+Loading: `pack` lays an adapter out as the pools hold it (on a GPU in pinned host memory, done
+off the engine thread by the manager's loader), and `load` copies it into its rows. On a GPU
+that copy runs on a copy stream, behind the steps already queued (which may still read rows an
+evicted adapter left) and beside the ones after: no step waits for it. `ready(slot)` says
+when it has landed; the slot table names the adapter only from then.
 """
 
 from __future__ import annotations
@@ -48,6 +54,31 @@ FUSED: dict[str, tuple[str, ...]] = {
     "down_proj": ("down_proj",),
 }
 FUSED_INDEX = {fused: f for f, fused in enumerate(FUSED)}
+
+
+@dataclass(frozen=True)
+class PackedAdapter:
+    """An adapter in the pools' layout, on the host: for each fused projection it targets,
+    `a[fused]` [layers, rank, slices, in_features] and `b[fused]` [layers, rank, out_features]
+    (lora_B^T, each module's scale relative to `scale` folded in; what a slice lacks is zeros),
+    `rank` that projection's largest over its slices."""
+
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+    scale: float
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        return {fused: a.shape[1] for fused, a in self.a.items()}
+
+
+@dataclass
+class _Copy:
+    """A load in flight on the copy stream."""
+
+    done: torch.cuda.Event
+    rows: dict[str, tuple[int, int]]
+    scale: float
 
 
 @dataclass(frozen=True)
@@ -131,6 +162,10 @@ class LoraSlots:
         (`engine.parallel.partition.Partition.cut_lora`)."""
         self.num_slots, self.pool_rows, self.shard = num_slots, pool_rows, shard
         self.max_rank = min(max_rank, pool_rows)
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._copying: dict[int, _Copy] = {}
         dims = projection_dims(base)
 
         def zeros(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
@@ -159,9 +194,11 @@ class LoraSlots:
         """Whether `adapter` can be loaded now without evicting anything."""
         return all(self._rows[f].fits(r) for f, r in projection_ranks(adapter).items() if r)
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
+    def load(self, slot: int, adapter: LoraAdapter, packed: PackedAdapter | None = None) -> None:
         """Place a validated adapter in free rows and copy it into `slot` (empty, or whatever
-        it held is cleared first). Raises ValueError when its rows do not fit now."""
+        it held is cleared first); `packed` is `pack(adapter)` when the caller has it. On a GPU
+        the copy is asynchronous: the slot serves once `ready(slot)`. Raises ValueError when
+        its rows do not fit now."""
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter rank {adapter.rank} exceeds the max LoRA rank "
                              f"{self.max_rank}")
@@ -176,7 +213,18 @@ class LoraSlots:
                     if start is None:
                         raise ValueError(f"no {rank} free rows in the {fused} adapter pool")
                     placed[fused] = (start, rank)
-            self.write(slot, adapter, {f: start for f, (start, _) in placed.items()})
+            packed = packed or self.pack(adapter)
+            if self.copy_stream is None:
+                self._copy(packed, placed)
+                self._set(slot, placed, packed.scale)
+            else:
+                # Behind the steps queued so far: they may still read rows just freed.
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.copy_stream):
+                    self._copy(packed, placed)
+                    done = torch.cuda.Event()
+                    done.record()
+                self._copying[slot] = _Copy(done, placed, packed.scale)
         except BaseException:
             for fused, (start, rank) in placed.items():
                 self._rows[fused].free(start, rank)
@@ -184,29 +232,71 @@ class LoraSlots:
             raise
         self._placed[slot] = placed
 
+    def ready(self, slot: int) -> bool:
+        """Whether `slot`'s adapter has landed on the device (always, off a GPU)."""
+        copy = self._copying.get(slot)
+        if copy is None:
+            return True
+        if not copy.done.query():
+            return False
+        del self._copying[slot]
+        self._set(slot, copy.rows, copy.scale)
+        return True
+
+    def wait(self) -> None:
+        """Block until every load in flight has landed."""
+        for slot in list(self._copying):
+            self._copying[slot].done.synchronize()
+            self.ready(slot)
+
     def write(self, slot: int, adapter: LoraAdapter, starts: dict[str, int]) -> None:
         """Copy `adapter` into `slot` at the first rows `starts[fused]` of each fused projection
-        it targets (rows placed by `load`; a tensor-parallel worker is told them)."""
-        ranks = projection_ranks(adapter)
-        for layer, modules in zip(self.layers, adapter.layers, strict=True):
-            for fused, start in starts.items():
-                pool, parts = layer[fused], FUSED[fused]
-                rows = slice(start, start + ranks[fused])
-                pool.a[rows].zero_()
-                pool.b[rows].zero_()
+        it targets, in order with this device's steps (a tensor-parallel worker is told the
+        rows rank 0's `load` placed it at)."""
+        packed = self.pack(adapter)
+        rows = {fused: (start, packed.ranks[fused]) for fused, start in starts.items()}
+        self._copy(packed, rows)
+        self._set(slot, rows, packed.scale)
+
+    def pack(self, adapter: LoraAdapter) -> PackedAdapter:
+        """`adapter` in the pools' layout and dtype (this rank's shard of it under tensor
+        parallelism), in pinned memory on a GPU: the host half of `load`, for any thread."""
+        layer0, pin = self.layers[0], self.copy_stream is not None
+        a: dict[str, torch.Tensor] = {}
+        b: dict[str, torch.Tensor] = {}
+        for fused, rank in projection_ranks(adapter).items():
+            if rank:
+                pa, pb = layer0[fused].a, layer0[fused].b
+                a[fused] = torch.zeros(len(self.layers), rank, *pa.shape[1:], dtype=pa.dtype,
+                                       pin_memory=pin)
+                b[fused] = torch.zeros(len(self.layers), rank, pb.shape[1], dtype=pb.dtype,
+                                       pin_memory=pin)
+        for i, modules in enumerate(adapter.layers):
+            for fused in a:
                 col = 0
-                for j, part in enumerate(parts):
-                    m, width = modules.get(part), pool.sizes[j]
+                for j, (part, width) in enumerate(zip(FUSED[fused], layer0[fused].sizes,
+                                                      strict=True)):
+                    m = modules.get(part)
                     if m is not None:
-                        a, b = (m.a, m.b) if self.shard is None else self.shard(part, m.a, m.b)
-                        pool.a[start : start + m.rank, j].copy_(a)
-                        pool.b[start : start + m.rank, col : col + width].copy_(
-                            (b * (m.scale / adapter.scale)).T)
+                        ma, mb = (m.a, m.b) if self.shard is None else self.shard(part, m.a, m.b)
+                        a[fused][i, : m.rank, j].copy_(ma)
+                        b[fused][i, : m.rank, col : col + width].copy_(
+                            (mb * (m.scale / adapter.scale)).T)
                     col += width
-        self._set(slot, {f: (s, ranks[f]) for f, s in starts.items()}, adapter.scale)
+        return PackedAdapter(a, b, adapter.scale)
+
+    def _copy(self, packed: PackedAdapter, rows: dict[str, tuple[int, int]]) -> None:
+        """Packed weights into their pool rows, every layer (asynchronous from pinned memory)."""
+        for layer, pools in enumerate(self.layers):
+            for fused, (start, rank) in rows.items():
+                pool = pools[fused]
+                pool.a[start : start + rank].copy_(packed.a[fused][layer], non_blocking=True)
+                pool.b[start : start + rank].copy_(packed.b[fused][layer], non_blocking=True)
 
     def clear(self, slot: int) -> None:
-        """Empty `slot`: its rows go back to the pools."""
+        """Empty `slot`: its rows go back to the pools (a load in flight into them is ordered
+        before any later one, on the same copy stream)."""
+        self._copying.pop(slot, None)
         for fused, (start, rank) in self._placed.pop(slot, {}).items():
             self._rows[fused].free(start, rank)
         self._set(slot, {}, 0.0)

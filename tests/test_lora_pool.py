@@ -117,7 +117,7 @@ def test_failed_load_leaves_no_rows_taken(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(slots, "write", broken)
+    monkeypatch.setattr(slots, "_copy", broken)
     with pytest.raises(RuntimeError):
         slots.load(0, adapter(16, ALL))
     monkeypatch.undo()
@@ -137,7 +137,7 @@ def test_manager_evicts_idle_adapters_until_rows_fit(tmp_path: Path):
     for name, ad in (("a", adapter(8, ALL, 1)), ("b", adapter(16, ALL, 2)),
                      ("big", adapter(32, ALL, 3))):
         mgr._registry[("t", name)] = entry = _entry_for(name, ad)
-        mgr._host_put(entry, ad)
+        mgr._host_put(entry, ad, None)
     a, b, big = (mgr.attach("t", n) for n in ("a", "b", "big"))
     assert mgr.admit(a) and mgr.admit(b)
     assert mgr.num_resident["device"] == 2
@@ -216,3 +216,51 @@ def test_too_little_gpu_memory_is_a_clear_error():
     with pytest.raises(ModelLoadError, match="adapter pool"):
         EngineConfig(device="cuda", dtype="bfloat16", lora_pool_rows=100_000).resolve(
             LLAMA3_8B, "cuda", (80 * GIB, 64 * GIB))
+
+
+def _pools(slots: LoraSlots) -> list[torch.Tensor]:
+    return [t.cpu() for layer in slots.layers for p in layer.values() for t in (p.a, p.b)]
+
+
+@pytest.mark.gpu
+def test_gpu_load_copies_on_a_stream_behind_the_queued_steps():
+    """On a GPU a load is asynchronous: the slot serves once `ready`, the pools then hold what
+    the synchronous CPU load writes, and the copy waits for the steps already queued (here a
+    read of rows an evicted adapter left, queued behind 50 ms of work) before it overwrites
+    them."""
+    ref = LoraSlots(BASE, num_slots=2, pool_rows=32, max_rank=16)
+    slots = LoraSlots(BASE, num_slots=2, pool_rows=32, max_rank=16, device="cuda")
+    old, new = adapter(16, ALL, 1), adapter(16, ALL, 2, ranks={"k_proj": 8})
+    packed = slots.pack(old)
+    assert all(t.is_pinned() for t in (*packed.a.values(), *packed.b.values()))
+    slots.load(0, old, packed)
+    slots.wait()
+    rows = slots.placement(0)["qkv_proj"]
+    pool = slots.layers[1]["qkv_proj"].a
+    torch.cuda._sleep(100_000_000)  # the compute stream is busy for a while
+    seen = pool[rows : rows + 16].clone()  # queued behind it: must read `old`
+    slots.clear(0)
+    slots.load(1, new)  # into the rows `old` left
+    assert slots.placement(1)["qkv_proj"] == rows
+    assert not slots.ready(1) and slots.ranks[:, 1].tolist() == [0, 0, 0, 0]
+    slots.wait()
+    assert slots.ready(1) and slots.ranks[:, 1].tolist() == [16, 16, 16, 16]
+    torch.testing.assert_close(seen.cpu(), packed.a["qkv_proj"][1])
+    ref.load(1, new)
+    for got, want in zip(_pools(slots), _pools(ref), strict=True):
+        torch.testing.assert_close(got[rows : rows + 16], want[rows : rows + 16])
+
+
+@pytest.mark.gpu
+def test_gpu_manager_admits_once_the_copy_has_landed():
+    slots = LoraSlots(BASE, num_slots=2, pool_rows=32, max_rank=16, device="cuda")
+    mgr = AdapterManager(BASE, slots, max_cpu_loras=4)
+    ad = adapter(16, ALL, 3)
+    mgr._registry[("t", "a")] = entry = _entry_for("a", ad)
+    mgr._host_put(entry, ad, slots.pack(ad))
+    lease = mgr.attach("t", "a")
+    torch.cuda._sleep(100_000_000)  # the copy queues behind this
+    assert not mgr.admit(lease) and lease.slot < 0 and entry.active == 0
+    assert mgr.num_resident["device"] == 1  # its slot is taken, its copy in flight
+    mgr.wait_for_copies()
+    assert mgr.admit(lease) and lease.slot >= 0 and entry.active == 1

@@ -299,6 +299,7 @@ class LLMEngine:
         """Nothing could run: wait for an adapter read, a grammar compile or a KV read from
         disk to finish instead of spinning (a spinning loop steals the CPU, and the GIL, those
         need)."""
+        self.adapters.wait_for_copies()  # an adapter's copy to the device: a few ms at most
         pending = self.adapters.pending_loads()
         pending += [r.pending_grammar for r in self.scheduler.waiting if r.pending_grammar]
         pending += self.prefix_cache.pending_reads()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from engine.config import ModelConfig, ResolvedConfig
 from lora.adapter import LoraAdapter
-from lora.slots import LoraSlots
+from lora.slots import LoraSlots, PackedAdapter
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,6 @@ class SentSlots(LoraSlots):
         super().__init__(*args, **kwargs)
         self.tp = tp
 
-    def write(self, slot: int, adapter: LoraAdapter, starts: dict[str, int]) -> None:
-        super().write(slot, adapter, starts)
-        self.tp.send(LoadSlot(slot, adapter, starts))
+    def load(self, slot: int, adapter: LoraAdapter, packed: PackedAdapter | None = None) -> None:
+        super().load(slot, adapter, packed)
+        self.tp.send(LoadSlot(slot, adapter, self.placement(slot)))
