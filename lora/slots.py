@@ -306,11 +306,12 @@ class LoraSlots:
         return {f: start for f, (start, _) in self._placed.get(slot, {}).items()}
 
     def _set(self, slot: int, rows: dict[str, tuple[int, int]], scale: float) -> None:
+        # fill_, not `t[i] = x`: on a GPU, assigning a Python number waits for the steps queued.
         for fused, f in FUSED_INDEX.items():
             start, rank = rows.get(fused, (0, 0))
-            self.starts[f, slot] = start
-            self.ranks[f, slot] = rank
-        self.scales[slot] = scale
+            self.starts[f, slot].fill_(start)
+            self.ranks[f, slot].fill_(rank)
+        self.scales[slot].fill_(scale)
 
     def apply(
         self, y: torch.Tensor, x: torch.Tensor, layer: int, fused: str, info: LoraBatchInfo
