@@ -160,6 +160,22 @@ def model_flops_per_token(cfg, context: int) -> float:
     return 2 * matrices + attention
 
 
+def sizes(quick: bool) -> tuple[int, int, int]:
+    """The suite's sequences, KV pages and tokens a step."""
+    return (16, 1200, 1024) if quick else (128, 18000, 8192)
+
+
+def tuned_serve_flags(model: str, dev: str, store: Path, quick: bool = False) -> list[str]:
+    """The flags the suite's server runs with (`default_serve.py` compares no flags)."""
+    seqs, pages, step = sizes(quick)
+    return ["--model", model, "--device", dev,
+            "--dtype", "bfloat16" if dev == "cuda" else "float32",
+            "--max-num-seqs", str(seqs), "--max-num-batched-tokens", str(step),
+            "--kv-pages", str(pages), "--max-loras", "8", "--max-cpu-loras", "8",
+            "--max-lora-rank", str(RANK), "--adapter-dir", str(store), "--max-queue", "4096",
+            "--session-kv-pages", str(pages // 2)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="synthetic:llama3-8b")
@@ -173,10 +189,9 @@ def main() -> None:
     n_requests, scale = (32, 0.125) if quick else (256, 1.0)
     long_ctx = [(4, 448), (8, 192)] if quick else [(16, 7936), (64, 4032)]
     prefill_n, prefill_len = (8, 128) if quick else (64, 2048)
-    seqs, pages = (16, 1200) if quick else (128, 18000)
+    seqs, pages, step = sizes(quick)
     dtype = "bfloat16" if dev == "cuda" else "float32"
-    flags = {"max_num_seqs": seqs, "max_num_batched_tokens": 1024 if quick else 8192,
-             "num_pages": pages}
+    flags = {"max_num_seqs": seqs, "max_num_batched_tokens": step, "num_pages": pages}
 
     with rec.section("setup", 90) as s:
         t = time.monotonic()
@@ -259,12 +274,7 @@ def main() -> None:
     if dev == "cuda":
         torch.cuda.empty_cache()
 
-    serve_flags = ["--model", args.model, "--device", dev, "--dtype", dtype,
-                   "--max-num-seqs", str(seqs), "--max-num-batched-tokens",
-                   str(flags["max_num_batched_tokens"]), "--kv-pages", str(pages),
-                   "--max-loras", "8", "--max-cpu-loras", "8", "--max-lora-rank", str(RANK),
-                   "--adapter-dir", str(args.adapter_dir / "store"), "--max-queue", "4096",
-                   "--session-kv-pages", str(pages // 2)]
+    serve_flags = tuned_serve_flags(args.model, dev, args.adapter_dir / "store", quick)
     with Server(serve_flags) as srv:
         with rec.section("http", 120) as s:
             # Warm-up, untimed: a workload of the same shapes from other random tokens (not the

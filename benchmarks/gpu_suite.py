@@ -21,12 +21,15 @@ one is recorded in the JSON and the rest still run):
   7. benchmarks/lora_prefill.py: LoRA prefill against base (64 x 2k-token prompts over 8
      adapters, the engine at its GPU defaults; and in steps of 2k tokens, the piecewise
      graphs') and the prefill LoRA kernels per projection;
-  8. benchmarks/lora_slots.py: 256 requests over 64 adapters through 16 slots ÷ base.
+  8. benchmarks/lora_slots.py: 256 requests over 64 adapters through 16 slots ÷ base;
+  9. benchmarks/default_serve.py: the http workload through `switchboard serve` with no flag
+     but the model ÷ the tuned flags.
 `--parts` runs some of the steps (e.g. `--parts e2e`, to fit one device call); their figures
 then update those already in --out.
 The default full run takes about 10.5 minutes on one H100 (budgets below add up to 20 s
 under 10 minutes, plus process start-ups), over one device call's limit: run it as
-`--parts tests,engine,baselines,serve` and `--parts e2e,kv_tiers` (and `lora_prefill,lora_slots`);
+`--parts tests,engine,baselines,serve` and `--parts e2e,kv_tiers` (and `lora_prefill,lora_slots`,
+`default_serve`);
 --quick is a short smoke run (the 1B preset, smaller grids).
 Writes --out (JSON) and the same stem with .md (the table).
 """
@@ -59,7 +62,7 @@ TARGETS = {"lora_vs_base_b64": 0.90, "lora64_roofline_fraction_b64": 0.75,
            "qwen3_roofline_fraction_b64": 0.80, "session_ttft_host_tier_vs_cached_4k": 2.0,
            "host_load_bw_fraction": 0.70, "host_offload_bw_fraction": 0.70,
            "lora_prefill_vs_base": 0.90, "lora_prefill_2k_steps_vs_base": 0.90,
-           "lora_more_than_slots_vs_base": 0.60}
+           "lora_more_than_slots_vs_base": 0.60, "default_serve_vs_tuned": 0.95}
 AT_MOST = {"spec_verify_cost_b1", "spec_verify_cost_b16",
            "session_ttft_host_tier_vs_cached_4k"}  # targets that are ceilings
 SOURCE = {"lora_vs_base_b64": "decode", "lora64_roofline_fraction_b64": "decode",
@@ -75,14 +78,15 @@ SOURCE = {"lora_vs_base_b64": "decode", "lora64_roofline_fraction_b64": "decode"
           "session_ttft_host_tier_vs_cached_4k": "kv_tiers", "host_load_bw_fraction": "kv_tiers",
           "host_offload_bw_fraction": "kv_tiers", "lora_prefill_vs_base": "lora_prefill",
           "lora_prefill_2k_steps_vs_base": "lora_prefill_2k_steps",
-          "lora_more_than_slots_vs_base": "lora_slots"}
+          "lora_more_than_slots_vs_base": "lora_slots",
+          "default_serve_vs_tuned": "default_serve"}
 # The engine worker's last section loads a second model (qwen3_roofline_fraction_b64): ~60 s.
 FULL = {"tests": 150, "engine": 280, "baselines": 170, "serve": 90, "e2e": 570, "kv_tiers": 100,
-        "lora_prefill": 270, "lora_slots": 240}
+        "lora_prefill": 270, "lora_slots": 240, "default_serve": 400}
 QUICK = {"tests": 45, "engine": 135, "baselines": 50, "serve": 90, "e2e": 150, "kv_tiers": 100,
-         "lora_prefill": 270, "lora_slots": 240}
+         "lora_prefill": 270, "lora_slots": 240, "default_serve": 200}
 PARTS = ("tests", "engine", "baselines", "serve", "e2e", "kv_tiers", "lora_prefill",
-         "lora_slots")
+         "lora_slots", "default_serve")
 
 
 def main() -> None:
@@ -114,7 +118,8 @@ def main() -> None:
     scripts = {"engine": ("gpu_engine.py", engine_args), "baselines": ("gpu_baselines.py",
                base_args), "e2e": ("gpu_e2e.py", e2e_args), "kv_tiers": ("gpu_kv_tiers.py", []),
                "lora_prefill": ("lora_prefill.py", []),
-               "lora_slots": ("lora_slots.py", ["--small"] if args.quick else [])}
+               "lora_slots": ("lora_slots.py", ["--small"] if args.quick else []),
+               "default_serve": ("default_serve.py", ["--quick"] if args.quick else [])}
     workers = {name: worker(script, common + extra, budget[name])
                for name, (script, extra) in scripts.items() if name in run}
     serve = serve_smoke(model, budget["serve"]) if "serve" in run else {"status": "skipped"}
