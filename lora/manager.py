@@ -235,6 +235,11 @@ class AdapterManager:
                 self._host.move_to_end(entry)
             return True
 
+    def loading(self, lease: Lease) -> bool:
+        """Whether the lease's adapter has a device slot its copy has not reached yet (`admit`
+        said no for that, not for want of room)."""
+        return lease.slot < 0 and lease.entry.slot is not None
+
     def release(self, lease: Lease) -> None:
         with self._lock:
             self._leases.discard(lease)

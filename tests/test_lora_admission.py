@@ -12,15 +12,20 @@ from engine.sampling.params import SamplingParams
 
 
 class Adapters:
-    """Stands in for `lora.manager.AdapterManager`: `ready` names the resident adapters."""
+    """Stands in for `lora.manager.AdapterManager`: `ready` names the resident adapters,
+    `copying` those on their way to the device."""
 
     def __init__(self) -> None:
         self.ready: set[str] = set()
+        self.copying: set[str] = set()  # has a slot, its copy in flight
         self.asked: list[str] = []
 
     def can_admit(self, req: Request) -> bool:
         self.asked.append(req.request_id)
         return req.params.adapter is None or req.params.adapter in self.ready
+
+    def loading(self, req: Request) -> bool:
+        return req.params.adapter in self.copying
 
 
 def req(rid: str, adapter: str | None = None) -> Request:
@@ -155,3 +160,22 @@ def test_held_request_waits_at_most_for_the_drained_slot():
     sched.finish(a0, "stop")
     adapters.ready.add("x")
     assert "x" in ids(sched.schedule())
+
+
+def test_a_request_whose_adapter_is_being_copied_holds_nobody():
+    """Past the bound, a request whose adapter already has a slot (its copy in flight) is not
+    waiting for room: the requests behind it, for adapters that need a slot of their own,
+    still start. With the copies asynchronous, a hold here would let one adapter load a step."""
+    adapters = Adapters()
+    adapters.ready.add("y")
+    sched = Scheduler(PageAllocator(64), 4, 8, 64, adapters=adapters, adapter_wait_s=0.0)
+    sched.add(req("y1", "y"))
+    sched.schedule()
+    adapters.copying.add("x")
+    sched.add(coming := req("x", "x"))
+    sched.add(req("w", "w"))
+    adapters.ready.add("w")
+    assert ids(sched.schedule()) == ["y1", "w"] and not coming.lora_waits
+    adapters.copying.clear()
+    adapters.ready.add("x")
+    assert ids(sched.schedule())[-1] == "x"

@@ -261,6 +261,7 @@ def test_gpu_manager_admits_once_the_copy_has_landed():
     lease = mgr.attach("t", "a")
     torch.cuda._sleep(100_000_000)  # the copy queues behind this
     assert not mgr.admit(lease) and lease.slot < 0 and entry.active == 0
-    assert mgr.num_resident["device"] == 1  # its slot is taken, its copy in flight
+    assert mgr.num_resident["device"] == 1 and mgr.loading(lease)  # its copy in flight
     mgr.wait_for_copies()
     assert mgr.admit(lease) and lease.slot >= 0 and entry.active == 1
+    assert not mgr.loading(lease)

@@ -51,6 +51,9 @@ class AdapterAdmission:
     def can_admit(self, req: Request) -> bool:
         return req.lora is None or self.manager.admit(req.lora)
 
+    def loading(self, req: Request) -> bool:
+        return req.lora is not None and self.manager.loading(req.lora)
+
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):

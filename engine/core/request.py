@@ -51,7 +51,7 @@ class Request:
     session_id: str | None = None  # a session's turn: its KV stays pinned after it finishes
     adapter_uid: int = 0  # which weights of `params.adapter` (set by the engine; 0: base)
     lora: Lease | None = None  # its hold on `params.adapter` (lora/manager.py); None: base
-    lora_waits: bool = False  # its last admission found it ready but for its adapter
+    lora_waits: bool = False  # its last admission found it ready but for room for its adapter
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # what stopped it: a stop token id or stop string

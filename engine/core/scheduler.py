@@ -77,10 +77,18 @@ class Admission(Protocol):
         the request needs until it finishes; False must not block the requests behind it."""
         ...
 
+    def loading(self, req: Request) -> bool:
+        """After `can_admit` said no: is what `req` waits for already on its way (its adapter
+        has a slot, its copy to the device in flight), rather than waiting for room?"""
+        ...
+
 
 class AdmitAll:
     def can_admit(self, req: Request) -> bool:
         return True
+
+    def loading(self, req: Request) -> bool:
+        return False
 
 
 # A request kept waiting this long by its adapter (no room on the device while every resident
@@ -189,8 +197,9 @@ class Scheduler:
         its prompt fits the budget; False when one that could start does not.
 
         Adapters: requests whose adapters are resident go ahead of one whose adapter waits for
-        room, but not for ever. Once a request has waited `adapter_wait_s` for its adapter
-        while requests with adapters run, it is held for: no other adapter takes a slot, and
+        room, but not for ever. Once a request has waited `adapter_wait_s` for room for its
+        adapter while requests with adapters run, it is held for (one whose adapter is already
+        being copied in waits for nobody): no other adapter takes a slot, and
         the running adapter with the fewest running requests (`_drained`) admits no more, so
         its slot empties and the held request's adapter loads there (further slots drain, one
         a step, while its rows do not fit). The other running adapters keep admitting their
@@ -246,8 +255,10 @@ class Scheduler:
         try:
             if not (self.is_ready(req) and self.cache.ready(req, overlap=not self.running)):
                 return False
-            req.lora_waits = not self.adapters.can_admit(req)
-            return not req.lora_waits
+            if self.adapters.can_admit(req):
+                return True
+            req.lora_waits = not self.adapters.loading(req)  # waits for room, not a copy
+            return False
         except Exception as e:
             log.exception("request %s cannot start", req.request_id)
             batch.failed.append((req, f"could not start: {type(e).__name__}: {e}"))
