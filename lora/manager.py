@@ -142,7 +142,7 @@ class AdapterManager:
             AdapterError: every problem with the folder or the name.
             AdapterExists: the tenant already has `name`.
         """
-        self._check_name(name)
+        check_name(name)
         if pin and sum(e.pinned for e in self._registry.values()) + 1 >= max(self.max_loras, 1):
             raise AdapterError(name, [f"at most {self.max_loras - 1} adapters may be pinned"])
         if self.get(tenant, name) is not None:
@@ -368,15 +368,6 @@ class AdapterManager:
                                dtype=self.dtype)
         return adapter, self.slots.pack(adapter) if self.slots.copy_stream is not None else None
 
-    def _check_name(self, name: str) -> None:
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            shown = str(name) if len(str(name)) <= 64 else str(name)[:64] + "…"  # never 1 MB
-            raise AdapterError(
-                shown,
-                [f"adapter name {shown!r} must be 1-64 characters of letters, digits, '.', '_' "
-                 "or '-', starting with a letter or digit"],
-            )
-
     def _store_path(self, tenant: str, name: str) -> Path:
         if self.store_dir is None:
             raise AdapterError(name, ["this engine has no adapter store directory"])
@@ -404,6 +395,17 @@ class AdapterManager:
         tier = "device" if e.slot is not None else "host" if e.adapter is not None else "disk"
         return AdapterInfo(e.name, e.tenant, e.rank, e.target_modules, e.num_bytes,
                            e.stored_bytes, e.created, e.pinned, tier, e.version)
+
+
+def check_name(name: str) -> None:
+    """An AdapterError unless `name` is 1-64 characters of letters, digits, '.', '_', '-'."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        shown = str(name) if len(str(name)) <= 64 else str(name)[:64] + "…"  # never 1 MB
+        raise AdapterError(
+            shown,
+            [f"adapter name {shown!r} must be 1-64 characters of letters, digits, '.', '_' "
+             "or '-', starting with a letter or digit"],
+        )
 
 
 def _entry(
