@@ -215,8 +215,7 @@ class LoraSlots:
                     placed[fused] = (start, rank)
             packed = packed or self.pack(adapter)
             if self.copy_stream is None:
-                self._copy(packed, placed)
-                self._set(slot, placed, packed.scale)
+                self._write(slot, packed, placed)
             else:
                 # Behind the steps queued so far: they may still read rows just freed.
                 self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -254,7 +253,9 @@ class LoraSlots:
         it targets, in order with this device's steps (a tensor-parallel worker is told the
         rows rank 0's `load` placed it at)."""
         packed = self.pack(adapter)
-        rows = {fused: (start, packed.ranks[fused]) for fused, start in starts.items()}
+        self._write(slot, packed, {f: (start, packed.ranks[f]) for f, start in starts.items()})
+
+    def _write(self, slot: int, packed: PackedAdapter, rows: dict[str, tuple[int, int]]) -> None:
         self._copy(packed, rows)
         self._set(slot, rows, packed.scale)
 

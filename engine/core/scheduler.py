@@ -200,7 +200,7 @@ class Scheduler:
         room, but not for ever. Once a request has waited `adapter_wait_s` for room for its
         adapter while requests with adapters run, it is held for (one whose adapter is already
         being copied in waits for nobody): no other adapter takes a slot, and
-        the running adapter with the fewest running requests (`_drained`) admits no more, so
+        the running adapter with the fewest running requests (`_undrained`) admits no more, so
         its slot empties and the held request's adapter loads there (further slots drain, one
         a step, while its rows do not fit). The other running adapters keep admitting their
         requests, and base-model requests still start. So no request waits for its adapter
@@ -208,19 +208,18 @@ class Scheduler:
         plus its adapter's load, beyond first-come order."""
         now = time.monotonic()
         held: tuple[str, str] | None = None  # the adapter of such a request
-        drained: tuple[str, str] | None = None
+        live: set[tuple[str, str]] = set()  # the running adapters that keep admitting
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             adapter = _adapter(req)
-            if held is not None and adapter not in (None, held) and (
-                    adapter == drained or not any(_adapter(r) == adapter for r in self.running)):
+            if held is not None and adapter not in (None, held) and adapter not in live:
                 continue
             if not self._startable(req, batch):
                 if (held is None and adapter is not None and req.lora_waits
                         and now - req.added_at >= self.adapter_wait_s
                         and any(_adapter(r) is not None for r in self.running)):
-                    held, drained = adapter, self._drained()
+                    held, live = adapter, self._undrained()
                 continue
             self.cache.attach(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -239,12 +238,14 @@ class Scheduler:
             budget -= n
         return True
 
-    def _drained(self) -> tuple[str, str] | None:
-        """The running adapter whose slot a held request takes: the one with the fewest running
-        requests (the first to run out), ties to the one first in running order."""
+    def _undrained(self) -> set[tuple[str, str]]:
+        """The running adapters but the one whose slot a held request takes: the one with the
+        fewest running requests (the first to run out), ties to the one first in running
+        order."""
         count: Counter[tuple[str, str]] = Counter(
             a for r in self.running if (a := _adapter(r)) is not None)
-        return min(count, key=count.__getitem__, default=None)
+        drained = min(count, key=count.__getitem__, default=None)
+        return count.keys() - {drained}
 
     def _startable(self, req: Request, batch: Batch) -> bool:
         """The per-request predicates: its grammar is ready, its cached prefix on the device
