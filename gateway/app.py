@@ -33,7 +33,14 @@ from gateway.messages.schemas import CountTokensRequest, MessagesRequest
 from gateway.metrics import RequestCounter
 from gateway.openai.bodies import ChatFormat, CompletionFormat
 from gateway.openai.generation import Generation
-from gateway.openai.params import EngineFacts, Plan, plan_chat, plan_completion, resolve_adapter
+from gateway.openai.params import (
+    EngineFacts,
+    Plan,
+    chat_input,
+    plan_chat,
+    plan_completion,
+    resolve_adapter,
+)
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.openai.sse import SSEResponse, stream_events
 from gateway.openai.tokenizer import GatewayTokenizer
@@ -207,7 +214,7 @@ def _plan(
     """The request's plan; in a worker thread (gateway/openai/params.py checks the bounds)."""
     if isinstance(body, CompletionRequest):
         return plan_completion(body, tok, facts, adapter)
-    return plan_chat(turn.prompt_body(body) if turn else body, tok, facts, adapter)
+    return plan_chat(chat_input(body, turn.conversation() if turn else None), tok, facts, adapter)
 
 
 def _num_sequences(body: ChatCompletionRequest | CompletionRequest) -> int:

@@ -156,6 +156,30 @@ def parse_response_format(rf: object) -> ConstraintSpec | None:
     raise GrammarError(f"{p}.type must be one of {expected}; got {kind!r}", f"{p}.type")
 
 
+def parse_text_format(fmt: object, p: str = "text.format") -> ConstraintSpec | None:
+    """Parse the Responses API's `text.format`: `{"type": "text"}` (None: free text),
+    `{"type": "json_object"}` or `{"type": "json_schema", "name", "schema", "strict"}`."""
+    if not isinstance(fmt, dict):
+        raise GrammarError(f"{p} must be an object", p)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("json_object", param=p)
+    if kind == "json_schema":
+        name = fmt.get("name")
+        if name is not None and not isinstance(name, str):
+            raise GrammarError(f"{p}.name must be a string", f"{p}.name")
+        if not isinstance(fmt.get("strict"), bool | None):
+            raise GrammarError(f"{p}.strict must be a boolean", f"{p}.strict")
+        if "schema" not in fmt:
+            raise GrammarError(f"{p}.schema is required", f"{p}.schema")
+        return _json_schema_spec(fmt["schema"], f"{p}.schema", name)
+    shown = repr(kind) if len(repr(kind)) <= 64 else repr(kind)[:64] + "…"
+    raise GrammarError(f"{p} of type {shown} is not supported; use 'text', 'json_object' or "
+                       "'json_schema'.", f"{p}.type")
+
+
 def parse_structured_outputs(so: object) -> ConstraintSpec | None:
     """Parse vLLM's `structured_outputs` extra field: exactly one of json / regex / choice /
     grammar / json_object."""

@@ -85,9 +85,11 @@ class _Payload(TypedDict):
 
 
 def parse_tools(
-    tools: object, tool_choice: object = None, parallel: object = None
+    tools: object, tool_choice: object = None, parallel: object = None, flat: bool = False
 ) -> ToolChoice | None:
-    """Validate the request's tool fields; None when no tools are offered.
+    """Validate the request's tool fields; None when no tools are offered. A tool is chat
+    completions' `{"type": "function", "function": {"name", "description", "parameters"}}`,
+    or with `flat` the Responses API's `{"type": "function", "name", ...}`.
 
     Raises GrammarError (param: `tools[i]...`, `tool_choice`) for a parameters object that is
     not a JSON schema, duplicate or malformed names, or a tool_choice naming no offered tool.
@@ -100,11 +102,12 @@ def parse_tools(
         raise GrammarError("tools must be a list", "tools")
     parsed: list[Tool] = []
     for i, t in enumerate(tools):
-        parsed.append(_tool(t, f"tools[{i}]"))
+        parsed.append(_tool(t, f"tools[{i}]", flat))
     seen: set[str] = set()
     for i, t in enumerate(parsed):
         if t.name in seen:
-            raise GrammarError(f"duplicate tool name {t.name!r}", f"tools[{i}].function.name")
+            q = f"tools[{i}].name" if flat else f"tools[{i}].function.name"
+            raise GrammarError(f"duplicate tool name {t.name!r}", q)
         seen.add(t.name)
     if parallel is not None and not isinstance(parallel, bool):
         raise GrammarError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
@@ -250,26 +253,23 @@ def _payload(spec: ConstraintSpec) -> _Payload:
     return spec.parsed  # parsed once per spec: read-only
 
 
-def _tool(t: object, p: str) -> Tool:
+def _tool(t: object, p: str, flat: bool = False) -> Tool:
     if not isinstance(t, dict):
         raise GrammarError(f"{p} must be an object", p)
     if t.get("type") != "function":
         raise GrammarError(f"{p}.type must be 'function'; got {t.get('type')!r}", f"{p}.type")
-    fn = t.get("function")
+    fn, f = (t, p) if flat else (t.get("function"), f"{p}.function")  # f: fn's param
     if not isinstance(fn, dict):
-        raise GrammarError(f"{p}.function must be an object", f"{p}.function")
+        raise GrammarError(f"{f} must be an object", f)
     name = fn.get("name")
     if not isinstance(name, str) or NAME.fullmatch(name) is None:
-        raise GrammarError(
-            f"{p}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$; got {name!r}",
-            f"{p}.function.name",
-        )
+        raise GrammarError(f"{f}.name must match ^[a-zA-Z0-9_-]{{1,64}}$; got {name!r}",
+                           f"{f}.name")
     desc = fn.get("description")
     if desc is not None and not isinstance(desc, str):
-        q = f"{p}.function.description"
-        raise GrammarError(f"{q} must be a string", q)
+        raise GrammarError(f"{f}.description must be a string", f"{f}.description")
     params = fn["parameters"] if "parameters" in fn else copy.deepcopy(NO_PARAMETERS)
-    q = f"{p}.function.parameters"
+    q = f"{f}.parameters"
     if not isinstance(params, dict):
         raise GrammarError(f"{q} must be a JSON schema object", q)
     if params.get("type", "object") != "object":

@@ -18,7 +18,7 @@ from gateway.access.auth import Authenticator
 from gateway.access.limits import TenantLimiter, check_capacity
 from gateway.config import ConfigError, TenantLimits, build_config
 from gateway.errors import APIError, from_validation
-from gateway.openai.params import EngineFacts, plan_chat, plan_completion, resolve_constraint
+from gateway.openai.params import EngineFacts, chat_input, plan_chat, plan_completion
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.openai.tokenizer import GatewayTokenizer
 from gateway.openai.tools import resolve_tools
@@ -202,13 +202,13 @@ def test_plan_defaults_seeds_and_extras() -> None:
         "seed": 5, "top_k": 0, "logit_bias": {"7": 2.5}, "logprobs": True, "top_logprobs": 2,
         "min_p": 0.1, "ignore_eos": True, "foo": "unknown fields are ignored",
     }))
-    jobs = plan_chat(body, tok, _facts(), adapter=None).jobs
+    jobs = plan_chat(chat_input(body), tok, _facts(), adapter=None).jobs
     assert [j.index for j in jobs] == [0, 1, 2]
     p = jobs[0].params
     assert p.max_tokens == 97 and p.top_k == -1 and p.logit_bias == {7: 2.5}
     assert (p.logprobs, p.min_p, p.ignore_eos, p.temperature) == (2, 0.1, True, 1.0)
     assert [j.params.seed for j in jobs] == [5, 6, 7]
-    assert plan_chat(body, tok, _facts(cap=16), None).jobs[0].params.max_tokens == 16
+    assert plan_chat(chat_input(body), tok, _facts(cap=16), None).jobs[0].params.max_tokens == 16
 
     comp = CompletionRequest.model_validate_json(
         '{"model": "m", "prompt": ["a b", "c"], "n": 2, "max_tokens": 4, "logprobs": 0}')
@@ -222,35 +222,38 @@ def test_plan_maps_engine_refusals_to_400() -> None:
     body = ChatCompletionRequest.model_validate_json(
         '{"model": "m", "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 99}')
     with pytest.raises(APIError) as e:
-        plan_chat(body, tok, _facts(), None)
+        plan_chat(chat_input(body), tok, _facts(), None)
     assert e.value.status == 400 and e.value.param == "messages"
     bad = ChatCompletionRequest.model_validate_json(
         '{"model": "m", "messages": [{"role": "user", "content": "a"}], "logit_bias": {"5000": 1}}')
     with pytest.raises(APIError, match="out of range"):
-        plan_chat(bad, tok, _facts(), None)
+        plan_chat(chat_input(bad), tok, _facts(), None)
 
     class _StrictTemplate(_FakeHF):
         def apply_chat_template(self, *args, **kwargs):
             raise ValueError("roles must alternate")
 
     with pytest.raises(APIError) as e:
-        plan_chat(body, GatewayTokenizer(_StrictTemplate()), _facts(), None)
+        plan_chat(chat_input(body), GatewayTokenizer(_StrictTemplate()), _facts(), None)
     assert e.value.status == 400 and "alternate" in e.value.message
 
 
-def test_resolve_constraint_refuses_bad_specs() -> None:
+def test_chat_input_refuses_bad_specs() -> None:
+    tok = GatewayTokenizer(_FakeHF())
+
     def chat(**extra) -> ChatCompletionRequest:
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
         return ChatCompletionRequest.model_validate_json(json.dumps(body))
 
     body = chat(response_format={"type": "text"}, tool_choice="none",
                 tools=[{"type": "function", "function": {"name": "f"}}], session_id="s1")
-    resolve_constraint(body, resolve_tools(body))
+    assert plan_chat(chat_input(body), tok, _facts(), None).constraint is None
     for extra, param in [({"response_format": {"type": "json_schema"}}, "response_format"),
-                         ({"tools": [{"type": "function"}]}, "tools")]:
+                         ({"tools": [{"type": "function"}]}, "tools"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}],
+                           "response_format": {"type": "json_object"}}, "response_format")]:
         with pytest.raises(APIError) as e:
-            body = chat(**extra)
-            resolve_constraint(body, resolve_tools(body))
+            plan_chat(chat_input(chat(**extra)), tok, _facts(), None)
         assert e.value.status == 400 and e.value.param.startswith(param)
 
 

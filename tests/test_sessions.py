@@ -125,7 +125,7 @@ def test_resolve_session_refuses_what_a_turn_cannot_be() -> None:
 
         assert await resolve_session(chat(), "alpha", store) is None
         turn = await resolve_session(chat(session_id=s.id), "alpha", store)
-        assert turn is not None and [m.role for m in turn.prompt_body(chat()).messages] == [
+        assert turn is not None and [m["role"] for m in turn.conversation()] == [
             "system", "user"]
         for body, tenant, status, param in [
             (chat(session_id=s.id, model="m2"), "alpha", 400, "model"),
@@ -151,12 +151,12 @@ def test_a_turn_counts_the_stored_history_with_its_messages() -> None:
             "model": "m1", "messages": [{"role": "user", "content": "x"}],
             "session_id": full.id}))
         turn = await resolve_session(body, "alpha", store)
-        assert turn is not None and len(turn.prompt_body(body).messages) == MAX_MESSAGES
+        assert turn is not None and len(turn.conversation()) == MAX_MESSAGES
         await store.append(full, [{"role": "user", "content": "y"}])
         turn = await resolve_session(body, "alpha", store)
         assert turn is not None
         with pytest.raises(APIError) as e:
-            turn.prompt_body(body)
+            turn.conversation()
         assert (e.value.status, e.value.param, e.value.code) == (
             400, "messages", "array_above_max_length")
 

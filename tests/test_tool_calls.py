@@ -222,6 +222,7 @@ def test_forced_text_is_malformed_never_emitted(fmt) -> None:
 
 
 def test_fallback_prompt_renders_tools_calls_and_results() -> None:
+    from gateway.openai.params import chat_messages
     from gateway.openai.schemas import ChatCompletionRequest
     from gateway.openai.tools import render_messages, resolve_tools
 
@@ -235,7 +236,7 @@ def test_fallback_prompt_renders_tools_calls_and_results() -> None:
             {"role": "tool", "tool_call_id": "c1", "content": "5"},
             {"role": "tool", "tool_call_id": "c2", "content": "5"},
         ]})
-    messages, tools = render_messages(body, resolve_tools(body), native=False)
+    messages, tools = render_messages(chat_messages(body), resolve_tools(body), native=False)
     assert tools is None
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
@@ -244,7 +245,7 @@ def test_fallback_prompt_renders_tools_calls_and_results() -> None:
         "add", '{"a": 2, "b": 3}')
     assert messages[3]["content"] == ("<tool_response>\n5\n</tool_response>\n"
                                       "<tool_response>\n5\n</tool_response>")
-    native, tools = render_messages(body, resolve_tools(body), native=True)
+    native, tools = render_messages(chat_messages(body), resolve_tools(body), native=True)
     assert tools is not None and native[2]["tool_calls"][0]["function"]["arguments"] == {
         "a": 2, "b": 3}
     assert native[3] == {"role": "tool", "content": "5", "tool_call_id": "c1"}
@@ -284,7 +285,7 @@ Respond with {"name": function name, "parameters": dictionary of arguments}.
 def test_native_template_sets_the_call_format(smollm2_dir) -> None:
     from transformers import AutoTokenizer
 
-    from gateway.openai.params import EngineFacts, plan_chat
+    from gateway.openai.params import EngineFacts, chat_input, plan_chat
     from gateway.openai.schemas import ChatCompletionRequest
     from gateway.openai.tokenizer import GatewayTokenizer
     from grammar.tools import call_format
@@ -303,7 +304,8 @@ def test_native_template_sets_the_call_format(smollm2_dir) -> None:
             {"role": "tool", "tool_call_id": "c1", "content": "5"},
             {"role": "user", "content": "And the time?"},
         ]})
-    job = plan_chat(body, tok, EngineFacts(8192, lambda ids, p: None, None), None).jobs[0]
+    job = plan_chat(chat_input(body), tok, EngineFacts(8192, lambda ids, p: None, None),
+                    None).jobs[0]
     prompt = hf.decode(job.prompt_ids)
     assert '{"name": "add", "parameters": {"a": 2, "b": 3}}' in prompt
     assert '"name": "now"' in prompt and "ipython<|end_header_id|>5" in prompt

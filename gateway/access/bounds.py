@@ -13,7 +13,7 @@ per token of the context cannot fit in practice and is refused before it is toke
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from gateway.errors import APIError, bad_request
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -37,10 +37,11 @@ def check_counts(body: object) -> None:
             _at_most(len(items), limit, param)
 
 
-def check_history(messages: int) -> None:
+def check_history(messages: int, param: str = "messages") -> None:
     """The bound on `messages` for a prompt of `messages` messages: a session's or a response
-    chain's history and the request's own (which `check_counts` counted as it was read)."""
-    _at_most(messages, MAX_MESSAGES, "messages")
+    chain's history and the request's own (which `check_counts` counted as it was read);
+    `param`: the field the front end holds them in."""
+    _at_most(messages, MAX_MESSAGES, param)
 
 
 def check_schemas(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -50,6 +51,14 @@ def check_schemas(body: ChatCompletionRequest | CompletionRequest) -> None:
                                  "structured_outputs": body.structured_outputs}
     if isinstance(body, ChatCompletionRequest):
         fields["tools"] = body.tools
+    check_schema_fields(fields, _schemas(body))
+
+
+def check_schema_fields(fields: dict[str, object],
+                        schemas: Iterable[tuple[str, object]]) -> None:
+    """The bounds of `check_schemas` for any front end: `fields` (param -> value) that hold
+    schemas, each at most MAX_SCHEMA_BYTES of JSON, and each (param, schema) nested at most
+    MAX_SCHEMA_DEPTH deep."""
     for param, value in fields.items():
         if value is None:
             continue
@@ -57,7 +66,7 @@ def check_schemas(body: ChatCompletionRequest | CompletionRequest) -> None:
         if size > MAX_SCHEMA_BYTES:
             raise _too_large(f"'{param}' is {size} bytes of JSON; the limit is "
                              f"{MAX_SCHEMA_BYTES}.", param)
-    for param, schema in _schemas(body):
+    for param, schema in schemas:
         if _deeper_than(schema, MAX_SCHEMA_DEPTH):
             raise _too_large(f"'{param}' nests arrays and objects more than {MAX_SCHEMA_DEPTH} "
                              "levels deep; flatten it or use '$defs' and '$ref'.", param)
@@ -71,12 +80,6 @@ def check_prompt_chars(chars: int, max_model_len: int, param: str) -> None:
             f"The prompt is {chars} characters long; this model's context of {max_model_len} "
             f"tokens takes at most {limit} ({PROMPT_CHARS_PER_TOKEN} a token). Shorten the "
             f"'{param}'.", param, code="context_length_exceeded")
-
-
-def chat_chars(body: ChatCompletionRequest) -> int:
-    """The characters a chat prompt is made of: message texts and the tools' JSON."""
-    tools = len(json.dumps(body.tools, ensure_ascii=False)) if body.tools else 0
-    return sum(len(m.text()) for m in body.messages) + tools
 
 
 def _schemas(body: ChatCompletionRequest | CompletionRequest) -> Iterator[tuple[str, object]]:

@@ -26,7 +26,7 @@ from gateway.errors import APIError, generation_failed
 from gateway.messages.output import MessageFormat
 from gateway.messages.prompt import anthropic_param, renamed, to_chat
 from gateway.messages.schemas import CountTokensRequest, MessagesRequest
-from gateway.openai.params import EngineFacts, Plan, plan_chat, resolve_adapter
+from gateway.openai.params import EngineFacts, Plan, chat_input, plan_chat, resolve_adapter
 from gateway.openai.sse import SSEResponse
 from gateway.openai.tokenizer import GatewayTokenizer
 from gateway.responses.items import new_id
@@ -100,6 +100,6 @@ def _plan(body: CountTokensRequest, tok: GatewayTokenizer, facts: EngineFacts,
     the Messages parameters."""
     chat, where = to_chat(body, max_tokens)
     try:
-        return plan_chat(chat, tok, facts, adapter), where
+        return plan_chat(chat_input(chat), tok, facts, adapter), where
     except APIError as e:
         raise renamed(e, where) from None

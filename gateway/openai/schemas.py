@@ -26,6 +26,13 @@ REASONING_EFFORT = {"none": 1, "minimal": 256, "low": 1024, "medium": 4096, "hig
                     "xhigh": 32768}
 
 
+def reasoning_budget(max_reasoning_tokens: int | None, effort: str | None) -> int | None:
+    """`max_reasoning_tokens`, else the budget of a reasoning effort (None: unbounded)."""
+    if max_reasoning_tokens is not None or effort is None:
+        return max_reasoning_tokens
+    return REASONING_EFFORT[effort]
+
+
 class ContentPart(BaseModel):
     model_config = OPEN
 
@@ -172,10 +179,7 @@ class ChatCompletionRequest(_Generation):
 
     @property
     def reasoning_budget(self) -> int | None:
-        """`max_reasoning_tokens`, else the budget of `reasoning_effort` (None: unbounded)."""
-        if self.max_reasoning_tokens is not None or self.reasoning_effort is None:
-            return self.max_reasoning_tokens
-        return REASONING_EFFORT[self.reasoning_effort]
+        return reasoning_budget(self.max_reasoning_tokens, self.reasoning_effort)
 
 
 class CompletionRequest(_Generation):

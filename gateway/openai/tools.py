@@ -13,9 +13,11 @@ fallback uses the Hermes format.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from gateway.errors import bad_request, clip
-from gateway.openai.schemas import ChatCompletionRequest, ChatMessage
+from gateway.openai.schemas import ChatCompletionRequest
 from grammar.spec import GrammarError
 from grammar.tool_parser import render_call
 from grammar.tools import ToolChoice, parse_tools
@@ -44,28 +46,55 @@ def resolve_tools(body: ChatCompletionRequest) -> ToolChoice | None:
         raise bad_request(e.message, e.param or "tools") from None
 
 
+def _chat_message_param(i: int) -> str:
+    return f"messages[{i}]"
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How a front end names, in its errors, what the planner checks (gateway/openai/params.py):
+    the field that holds the prompt, message i of the conversation, the key of a tool
+    message's call id, and the engine's sampling fields it calls otherwise. Chat completions'
+    by default."""
+
+    prompt: str = "messages"
+    message: Callable[[int], str] = _chat_message_param
+    call_id: str = "tool_call_id"
+    renames: Mapping[str, str] = field(default_factory=dict)
+
+    def param(self, name: str | None) -> str:
+        """A parameter the engine or the template named (None or "prompt": the prompt)."""
+        if name in (None, "prompt", "messages"):
+            return self.prompt
+        return self.renames.get(name, name)
+
+
 def render_messages(
-    body: ChatCompletionRequest, choice: ToolChoice | None, native: bool
+    conversation: list[dict[str, object]], choice: ToolChoice | None, native: bool,
+    spelling: Spelling = Spelling(),
 ) -> tuple[list[dict[str, object]], list[dict[str, object]] | None]:
-    """(messages, tools) for the chat template. `choice`: the body's tools (`resolve_tools`).
+    """(messages, tools) for the chat template, from plain chat messages (role, text content,
+    the tool fields, an assistant's `reasoning_content`). `choice`: the request's tools.
     `native`: the template renders tools and tool messages itself; else the fallback prompt
     above. Checks that every `tool` message answers a call of an earlier assistant message."""
     call_ids: set[str] = set()
     messages: list[dict[str, object]] = []
-    for i, m in enumerate(body.messages):
-        role = "system" if m.role == "developer" else m.role
-        calls = _tool_calls(m, i) if role == "assistant" else []
+    for i, m in enumerate(conversation):
+        role = "system" if m["role"] == "developer" else str(m["role"])
+        text = str(m.get("content") or "")
+        calls = _tool_calls(m.get("tool_calls"), spelling.message(i)) if role == "assistant" else []
         call_ids.update(c["id"] for c in calls)
+        call_id = m.get("tool_call_id")
         if role == "tool":
-            if m.tool_call_id is None:
-                raise bad_request("a 'tool' message needs 'tool_call_id'",
-                                  f"messages[{i}].tool_call_id")
-            if m.tool_call_id not in call_ids:
-                raise bad_request(f"tool_call_id {clip(m.tool_call_id)!r} matches no tool call of "
-                                  "an earlier assistant message", f"messages[{i}].tool_call_id")
-        messages.append(_native(role, m.text(), calls, m.tool_call_id) if native
-                        else _fallback(role, m.text(), calls, messages))
-        reasoning = (m.model_extra or {}).get("reasoning_content")
+            where = f"{spelling.message(i)}.{spelling.call_id}"
+            if not isinstance(call_id, str):
+                raise bad_request(f"a 'tool' message needs '{spelling.call_id}'", where)
+            if call_id not in call_ids:
+                raise bad_request(f"{spelling.call_id} {clip(call_id)!r} matches no tool call of "
+                                  "an earlier assistant message", where)
+        messages.append(_native(role, text, calls, call_id) if native
+                        else _fallback(role, text, calls, messages))
+        reasoning = m.get("reasoning_content")
         if role == "assistant" and isinstance(reasoning, str) and reasoning:
             messages[-1]["reasoning_content"] = reasoning  # a reasoning template may show it
     messages = [{k: v for k, v in m.items() if k != "_tool"} for m in messages]
@@ -81,11 +110,12 @@ def render_messages(
     return messages, None
 
 
-def _tool_calls(m: ChatMessage, i: int) -> list[dict[str, str]]:
-    """An assistant message's calls as {id, name, arguments}; a 400 when malformed."""
+def _tool_calls(calls: object, where: str) -> list[dict[str, str]]:
+    """An assistant message's calls as {id, name, arguments}; a 400 when malformed (`where`:
+    the message's parameter)."""
     out = []
-    for j, c in enumerate(m.tool_calls or []):
-        p = f"messages[{i}].tool_calls[{j}]"
+    for j, c in enumerate(calls if isinstance(calls, list) else []):
+        p = f"{where}.tool_calls[{j}]"
         call_id = c.get("id") if isinstance(c, dict) else None
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(call_id, str) or not isinstance(fn, dict):
@@ -98,7 +128,7 @@ def _tool_calls(m: ChatMessage, i: int) -> list[dict[str, str]]:
 
 
 def _native(
-    role: str, text: str, calls: list[dict[str, str]], call_id: str | None
+    role: str, text: str, calls: list[dict[str, str]], call_id: object
 ) -> dict[str, object]:
     msg: dict[str, object] = {"role": role, "content": text}
     if calls:

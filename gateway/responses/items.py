@@ -9,22 +9,26 @@ and messages become items again for `input_items` and conversation listings:
     function_call_output                  -> {"role": "tool", "content", "tool_call_id"}
 
 Each stored message keeps its item ids (`id` on the message, `item_id` on each call), so an
-item lists with the id it was given. `to_chat` turns a request (its history prepended) into
-the `ChatCompletionRequest` that gateway/openai/params.py plans, so tools, `text.format` and
-sampling follow exactly the chat-completions rules.
+item lists with the id it was given. `responses_input` states a request (its history
+prepended) as the `ChatInput` that gateway/openai/params.py plans for every front end: the tools,
+`text.format` and the sampling fields read here, so that errors name the Responses fields.
 """
 
 from __future__ import annotations
 
-import re
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from gateway.access.bounds import check_history, check_schema_fields
 from gateway.errors import bad_request, clip
-from gateway.openai.schemas import OPEN, ChatCompletionRequest
+from gateway.openai.params import ChatInput, Sampling, template_kwargs
+from gateway.openai.schemas import OPEN, reasoning_budget
+from gateway.openai.tools import Spelling
 from gateway.sessions.store import Message
+from grammar.spec import GrammarError, parse_text_format
+from grammar.tools import parse_tools
 
 Item = dict[str, object]
 RESPONSE_ID_HEADER = "x-switchboard-response-id"  # the router records the replica it names
@@ -41,7 +45,7 @@ _JSON_KINDS = {str: "a string", list: "an array", bool: "a boolean", int: "a num
 
 class TextOptions(BaseModel):
     """`text`: the output's `format`, an object `{"type": "text" | "json_object" |
-    "json_schema", ...}` (its type is read in `_response_format`)."""
+    "json_schema", ...}` (read by grammar/spec.py's `parse_text_format`)."""
 
     model_config = OPEN
 
@@ -83,6 +87,9 @@ class ResponsesRequest(BaseModel):
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
     max_output_tokens: int | None = Field(None, ge=1)
+    # Switchboard's extensions, as chat completions take them (reasoning models).
+    max_reasoning_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, object] | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     metadata: dict[str, str] | None = None
@@ -283,96 +290,56 @@ def reply_message(output: list[Item]) -> Message:
 # -- the chat request this response is planned as -------------------------------------------
 
 
-# Switchboard's chat extensions a Responses request may carry too (reasoning models).
-PASSED_EXTRAS = ("max_reasoning_tokens", "chat_template_kwargs")
-
-
-def to_chat(body: ResponsesRequest, messages: list[Message]) -> ChatCompletionRequest:
-    """The chat completion that generates `body`'s reply, `messages` being its whole
-    conversation (history and input; `instructions` go first, as a system message)."""
-    if body.instructions:
-        messages = [{"role": "system", "content": body.instructions}, *messages]
+def responses_input(body: ResponsesRequest, history: list[Message], new: list[Message],
+                    origins: list[int]) -> ChatInput:
+    """The planner's input for `body`'s reply: the conversation is `instructions` (a system
+    message), the chain's `history`, then this request's `new` messages (`input_messages`',
+    with the `origins` it gave). Tools, `text.format` and the sampling fields are read here,
+    so every error names the Responses parameter."""
+    head: list[Message] = ([{"role": "system", "content": body.instructions}]
+                           if body.instructions else [])
+    messages = [*head, *history, *new]
     if not messages:
         raise bad_request("Missing required parameter: 'input'.", "input")
-    chat: dict[str, object] = {
-        "model": body.model, "messages": [_chat_message(m) for m in messages],
-        "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
-        "top_p": body.top_p, "user": body.user,
-        "parallel_tool_calls": body.parallel_tool_calls,
-        "reasoning_effort": body.reasoning.effort if body.reasoning else None,
-    }
-    for key in PASSED_EXTRAS:  # extensions, as the chat completions take them
-        if key in (body.model_extra or {}):
-            chat[key] = (body.model_extra or {})[key]
-    if body.tools is not None:
-        chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
-    if body.tool_choice is not None:
-        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
-    fmt = _response_format(body.text_format)
-    if fmt is not None:
-        chat["response_format"] = fmt
-    return ChatCompletionRequest.model_validate(chat)
+    check_history(len(messages), "input")  # `input` was counted as it was read
+    tools, fmt = body.tools or [], body.text_format
+    schemas = [(f"tools[{i}].parameters", t.get("parameters")) for i, t in enumerate(tools)]
+    check_schema_fields({"tools": body.tools, "text.format": fmt},
+                        [*schemas, ("text.format.schema", fmt.get("schema"))])
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise bad_request(f"Tools of type {clip(repr(tool.get('type')))} are not supported; "
+                              "only 'function' tools are.", f"tools[{i}].type")
+    effort = body.reasoning.effort if body.reasoning else None
+    try:
+        choice = parse_tools(body.tools, _chat_tool_choice(body.tool_choice),
+                             body.parallel_tool_calls, flat=True)
+        output_format = parse_text_format(fmt)
+    except GrammarError as e:
+        raise bad_request(e.message, e.param or "text.format") from None
+    sampling = Sampling(max_tokens=body.max_output_tokens, temperature=body.temperature,
+                        top_p=body.top_p,
+                        max_reasoning_tokens=reasoning_budget(body.max_reasoning_tokens, effort))
+    return ChatInput(messages, sampling, choice, output_format, "text.format",
+                     template_kwargs(body.chat_template_kwargs, effort),
+                     spelling=_spelling(len(head) + len(history), origins))
 
 
-def _chat_message(m: Message) -> dict[str, object]:
-    out: dict[str, object] = {k: m[k] for k in ("role", "content", "tool_call_id") if k in m}
-    calls = _calls(m)
-    if calls:
-        out["tool_calls"] = [{k: c[k] for k in ("id", "type", "function") if k in c}
-                             for c in calls]
-    return out
+def _spelling(offset: int, origins: list[int]) -> Spelling:
+    """Message i of the conversation is input item `origins[i - offset]`; the ones before
+    (instructions, history) are `input` as a whole."""
+    def message(i: int) -> str:
+        k = i - offset
+        return f"input[{origins[k]}]" if 0 <= k < len(origins) else "input"
+    return Spelling(prompt="input", message=message, call_id="call_id",
+                    renames={"max_tokens": "max_output_tokens"})
 
 
-def _chat_tool(tool: dict[str, object], i: int) -> dict[str, object]:
-    if tool.get("type") != "function":
-        raise bad_request(f"Tools of type {clip(repr(tool.get('type')))} are not supported; "
-                          "only 'function' tools are.", f"tools[{i}].type")
-    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-    return {"type": "function", "function": fn}
-
-
-def _chat_tool_choice(choice: str | dict[str, object]) -> str | dict[str, object]:
-    if isinstance(choice, str):
+def _chat_tool_choice(choice: str | dict[str, object] | None) -> str | dict[str, object] | None:
+    """`tool_choice` as chat completions spell it (`parse_tools` reads that)."""
+    if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or "
                       "{\"type\": \"function\", \"name\": ...}", "tool_choice")
-
-
-def _response_format(fmt: dict[str, object]) -> dict[str, object] | None:
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return {"type": "json_schema", "json_schema": schema}
-    raise bad_request(f"text.format of type {clip(repr(kind))} is not supported; use 'text', "
-                      "'json_object' or 'json_schema'.", "text.format.type")
-
-
-def response_param(param: str | None, history: int = 0,
-                   origins: list[int] | None = None) -> str | None:
-    """A chat-completions parameter name as the Responses request spells it. With `origins`
-    (`input_messages`'), `messages[i]` is the input item message i - `history` came from (the
-    chain's `history` messages come first) and a tool message's `tool_call_id` its
-    `call_id`."""
-    if param is None:
-        return None
-    m = re.match(r"messages\[(\d+)\](.*)", param)
-    if m is not None and origins is not None:
-        i = int(m.group(1)) - history
-        if not 0 <= i < len(origins):
-            return "input"
-        rest = m.group(2)
-        return f"input[{origins[i]}]" + (".call_id" if rest == ".tool_call_id" else rest)
-    for chat, responses in (("response_format.json_schema", "text.format"),
-                            ("response_format", "text.format"), ("messages", "input"),
-                            ("max_completion_tokens", "max_output_tokens"),
-                            ("max_tokens", "max_output_tokens")):  # the engine's name
-        if param.startswith(chat):
-            return responses + param[len(chat):]
-    return param.replace(".function.", ".") if param.startswith("tools[") else param
-

@@ -2,14 +2,14 @@
 
 One request: auth -> body (ResponsesRequest) -> model -> admission (queue bound, tenant
 limits) -> chain (`previous_response_id` / `conversation`: the history, gateway/responses/chain.py)
--> plan, in a worker thread (items -> chat messages -> gateway/openai/params.py's `plan_chat`:
-tools, `text.format`, template, tokens) -> grammar compile -> the room it will store, reserved
-in the tenant's storage ledger (403 over quota, 503 with the store full or down: before
-generation) -> engine -> output items (gateway/responses/output.py) -> the turn written to its
-session and the response stored (when `store`) -> the body, or the stream's
-`response.completed`. From model to engine is chat completions' path (gateway/admission.py),
-`ResponseFront` this module's side of it. A response is acknowledged only once stored; one
-that failed is never stored.
+-> plan, in a worker thread (items -> chat messages -> `responses_input`: tools, `text.format`,
+sampling -> gateway/openai/params.py's `plan_chat`: template, tokens) -> grammar compile -> the
+room it will store, reserved in the tenant's storage ledger (403 over quota, 503 with the
+store full or down: before generation) -> engine -> output items (gateway/responses/output.py)
+-> the turn written to its session and the response stored (when `store`) -> the body, or the
+stream's `response.completed`. From model to engine is chat completions' path
+(gateway/admission.py), `ResponseFront` this module's side of it. A response is acknowledged
+only once stored; one that failed is never stored.
 
 Each response's id is sent as the `x-switchboard-response-id` header too, before the body, so
 the router (gateway/router/app.py) can send the next turn to the replica holding its KV.
@@ -26,11 +26,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.access.auth import Authenticate
-from gateway.access.bounds import check_history
 from gateway.access.quota import REPLY_BYTES_PER_TOKEN, Reservation, json_size, messages_size
 from gateway.admission import admit
 from gateway.body import read_body
-from gateway.errors import APIError, bad_request, generation_failed, store_unavailable
+from gateway.errors import bad_request, generation_failed, store_unavailable
 from gateway.openai.generation import Generation
 from gateway.openai.params import EngineFacts, Plan, plan_chat
 from gateway.openai.sse import SSEResponse
@@ -45,8 +44,7 @@ from gateway.responses.items import (
     message_items,
     new_id,
     reply_message,
-    response_param,
-    to_chat,
+    responses_input,
 )
 from gateway.responses.output import OutputBuilder, response_body, response_usage
 from gateway.runtime import Runtime
@@ -149,7 +147,7 @@ class ResponseFront:
         return plan
 
     def grammar_param(self, param: str | None) -> str | None:
-        return response_param(param or "text.format")
+        return param or "text.format"
 
     async def reserve(self, plan: Plan) -> str | None:
         if not (self.body.store or self.chain.conversation):  # the commit writes nothing
@@ -174,13 +172,7 @@ def _plan(body: ResponsesRequest, chain: Chain, tok: GatewayTokenizer, facts: En
     (`input`, `text.format`, `tools[i].parameters`)."""
     origins: list[int] = []
     new = input_messages(body.input, origins=origins)
-    try:
-        chat = to_chat(body, [*chain.history, *new])
-        check_history(len(chat.messages))  # `input` was counted as it was read
-        plan = plan_chat(chat, tok, facts, adapter)
-    except APIError as e:
-        e.param = response_param(e.param, len(chain.history), origins)
-        raise
+    plan = plan_chat(responses_input(body, chain.history, new, origins), tok, facts, adapter)
     copied = 0 if chain.stored else messages_size(chain.history)
     return new, plan, 2 * messages_size(new) + copied
 

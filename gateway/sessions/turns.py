@@ -97,12 +97,12 @@ class SessionTurn:
                                 nbytes, self.session.ttl_seconds or MAX_TTL_S)
         return self.room
 
-    def prompt_body(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
-        """`body` with the whole history (stored + new messages) as its messages: a 400 when
-        they are more than a request's messages may be."""
-        history = [ChatMessage(**m) for m in self.session.messages + self.new_messages]
+    def conversation(self) -> list[Message]:
+        """The whole history (stored + new messages), the turn's prompt: a 400 when they are
+        more than a request's messages may be."""
+        history = self.session.messages + self.new_messages
         check_history(len(history))
-        return body.model_copy(update={"messages": history})
+        return history
 
     async def commit(self, gen: Generation, fmt: ChatFormat) -> None:
         """Append this turn and its reply, the message the client got (tool calls included),
