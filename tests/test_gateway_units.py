@@ -21,7 +21,6 @@ from gateway.errors import APIError, from_validation
 from gateway.openai.params import EngineFacts, chat_input, plan_chat, plan_completion
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.openai.tokenizer import GatewayTokenizer
-from gateway.openai.tools import resolve_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 
