@@ -1,11 +1,12 @@
-"""Kernel timing sweep on a CUDA device:
-`python benchmarks/kernel_tune.py [--sweep decode prefill bgmv seg] [--unfused] [--out tune.json]`.
+"""Kernel timing sweep on a CUDA device: `python benchmarks/kernel_tune.py [--sweep decode
+prefill bgmv seg] [--unfused] [--rank R] [--only] [--out tune.json]`.
 
 Measures the device-to-device copy bandwidth, then the paged-attention, BGMV and segmented
 LoRA kernels over a few configs each at Llama-3-8B shapes (bf16, 16-token pages, rank-16
-adapters), reporting each as achieved bytes/s over the copy bandwidth; last, a decode step of a
-4-layer 8B-shaped model under CUDA graphs, base and multi-LoRA (`--unfused`: also with torch's
-elementwise ops). Families not named in `--sweep` run their default configs only.
+adapters, or `--rank`), reporting each as achieved bytes/s over the copy bandwidth; last, a
+decode step of a 4-layer 8B-shaped model under CUDA graphs, base and multi-LoRA
+(`--unfused`: also with torch's elementwise ops). Families not named in `--sweep` run their
+default configs only (`--only`: not at all).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
     expands = {"o": (HIDDEN,), "down": (HIDDEN,), "qkv": (HIDDEN, KVH * D, KVH * D),
                "gate_up": (INTER, INTER)}
     shrink_cfgs = list(itertools.product([1, 2, 4], [1024, 4096], [4, 8], [1, 2, 3]))
-    expand_cfgs = list(itertools.product([128, 256, 512], [16], [1, 2, 4], [1]))
+    expand_cfgs = list(itertools.product([128, 256, 512], [16, 32, 64], [1, 2, 4], [1]))
+    expand_cfgs = [c for c in expand_cfgs if c[1] <= max(16, RANK)]  # wider K tiles: same
     if quick:
         shrink_cfgs, expand_cfgs = [bgmv.SHRINK_CONFIG], [bgmv.EXPAND_CONFIG]
 
@@ -385,20 +387,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", nargs="*", default=["decode", "prefill", "bgmv", "seg"])
     parser.add_argument("--unfused", action="store_true")
+    parser.add_argument("--rank", type=int, default=RANK, help="the adapters' rank")
+    parser.add_argument("--only", action="store_true", help="run the --sweep families alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    globals()["RANK"] = args.rank
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
-    report = dict(device=props.name, torch=torch.__version__, triton=triton.__version__)
+    report = dict(device=props.name, torch=torch.__version__, triton=triton.__version__,
+                  rank=args.rank)
     print(report, flush=True)
     bw = report["copy_bw"] = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    report["decode"] = sweep_decode(bw, "decode" not in args.sweep)
-    report["bgmv"] = sweep_bgmv(bw, "bgmv" not in args.sweep)
-    report["seg"] = sweep_seg(bw, "seg" not in args.sweep)
-    report["prefill"] = sweep_prefill("prefill" not in args.sweep)
-    report["verify"] = sweep_verify(bw, "verify" not in args.sweep)
-    report["step"] = step_profile(bw, args.unfused)
+    families = {"decode": partial(sweep_decode, bw), "bgmv": partial(sweep_bgmv, bw),
+                "seg": partial(sweep_seg, bw), "prefill": sweep_prefill,
+                "verify": partial(sweep_verify, bw)}
+    for name, sweep in families.items():
+        if name in args.sweep or not args.only:
+            report[name] = sweep(name not in args.sweep)
+    if not args.only:
+        report["step"] = step_profile(bw, args.unfused)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=str)

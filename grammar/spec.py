@@ -232,6 +232,12 @@ def _choices(value: object, param: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def parse_json_schema(schema: object, param: str, name: str | None = None) -> ConstraintSpec:
+    """A JSON Schema given as `param` (e.g. the Messages API's `output_config.format.schema`)
+    as a constraint; GrammarError naming `param` for one that is not a schema."""
+    return _json_schema_spec(schema, param, name)
+
+
 def _json_schema_spec(schema: object, param: str, name: str | None) -> ConstraintSpec:
     if schema is False:
         raise GrammarError(f"{param} is `false`: no value can satisfy it", param)

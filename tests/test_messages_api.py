@@ -23,10 +23,13 @@ import httpx
 import jsonschema
 import pytest
 
+from engine.sampling.params import InvalidRequestError
 from gateway.errors import APIError, anthropic_error
-from gateway.messages.prompt import anthropic_param, to_chat
+from gateway.messages.prompt import to_input
 from gateway.messages.schemas import MessagesRequest
-from gateway.openai.schemas import REASONING_EFFORT, ChatCompletionRequest
+from gateway.openai.params import ChatInput, EngineFacts, plan_chat
+from gateway.openai.schemas import REASONING_EFFORT
+from gateway.openai.tokenizer import GatewayTokenizer
 from tests.conftest import GatewayServer
 from tests.lora_files import adapter
 
@@ -388,50 +391,80 @@ def test_a_conversation_as_chat_messages() -> None:
         "tools": [{"name": "w", "input_schema": {"type": "object"}}],
         "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "thinking": {"type": "enabled", "budget_tokens": 32}, "stop_sequences": ["END"]})
-    chat, where = to_chat(body, body.max_tokens)
-    roles = [m.role for m in chat.messages]
+    inp = to_input(body, body.max_tokens)
+    roles = [m["role"] for m in inp.messages]
     assert roles == ["system", "user", "assistant", "tool", "tool", "user"]
-    assert where == ["system", "messages[0]", "messages[1]", "messages[2]", "messages[2]",
-                     "messages[2]"]
-    assistant = chat.messages[2]
-    assert assistant.text() == "Checking."
-    assert (assistant.model_extra or {})["reasoning_content"] == "call it"
-    assert [json.loads(c["function"]["arguments"]) for c in assistant.tool_calls or []] == [
-        {"city": "Oslo"}, {"city": "Rome"}]
-    assert [m.text() for m in chat.messages[3:]] == ["cold", "Error: no such city", "So?"]
-    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
-    assert chat.tools == [{"type": "function", "function": {
-        "name": "w", "parameters": {"type": "object"}}}]
-    assert chat.max_reasoning_tokens == 32 and chat.stop == ["END"]
-    assert chat.chat_template_kwargs == {"enable_thinking": True}
+    assert [inp.spelling.message(i) for i in range(6)] == [
+        "system", "messages[0]", "messages[1]", "messages[2].content[0]",
+        "messages[2].content[1]", "messages[2]"]
+    assistant = inp.messages[2]
+    assert assistant["content"] == "Checking." and assistant["reasoning_content"] == "call it"
+    calls = assistant["tool_calls"]
+    assert isinstance(calls, list) and [json.loads(c["function"]["arguments"]) for c in calls] \
+        == [{"city": "Oslo"}, {"city": "Rome"}]
+    assert [m["content"] for m in inp.messages[3:]] == ["cold", "Error: no such city", "So?"]
+    assert inp.tools is not None and inp.tools.mode == "required"
+    assert inp.tools.parallel is False and [t.name for t in inp.tools.tools] == ["w"]
+    assert inp.sampling.max_reasoning_tokens == 32 and inp.sampling.stop == ("END",)
+    assert inp.template_kwargs == {"enable_thinking": True}
 
 
 def test_effort_and_thinking_map_to_the_reasoning_budget() -> None:
-    def chat(**fields: Any) -> ChatCompletionRequest:
+    def chat(**fields: Any) -> ChatInput:
         body = {"model": "m", "max_tokens": 8000, "messages": HI, **fields}
-        return to_chat(MessagesRequest.model_validate(body), 8000)[0]
+        return to_input(MessagesRequest.model_validate(body), 8000)
 
-    assert chat().chat_template_kwargs == {"enable_thinking": False}  # not asked to think
+    assert chat().template_kwargs == {"enable_thinking": False}  # not asked to think
     adaptive = chat(thinking={"type": "adaptive"}, output_config={"effort": "low"})
-    assert adaptive.chat_template_kwargs == {"enable_thinking": True}
-    assert adaptive.reasoning_budget == REASONING_EFFORT["low"]
+    assert adaptive.template_kwargs == {"enable_thinking": True}
+    assert adaptive.sampling.max_reasoning_tokens == REASONING_EFFORT["low"]
     assert chat(thinking={"type": "adaptive"}, output_config={"effort": "max"}
-                ).reasoning_budget is None
+                ).sampling.max_reasoning_tokens is None
     budget = chat(thinking={"type": "enabled", "budget_tokens": 2000},
                   output_config={"effort": "low"})
-    assert budget.reasoning_budget == 2000
+    assert budget.sampling.max_reasoning_tokens == 2000
+
+
+class _Words:
+    """A tokenizer of one token per word, and no chat template of its own."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, **kwargs):
+        return " ".join(str(m["content"]) for m in messages)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [len(w) for w in text.split()]
 
 
 def test_errors_name_the_messages_parameters() -> None:
-    where = ["system", "messages[0]", "messages[1]", "messages[1]"]
-    assert anthropic_param("messages[3].tool_call_id", where) == "messages[1]"
-    assert anthropic_param("tools[2].function.parameters.properties",
-                           where) == "tools[2].input_schema.properties"
-    assert anthropic_param("tools[0].function.name", where) == "tools[0].name"
-    assert anthropic_param("max_reasoning_tokens", where) == "thinking.budget_tokens"
-    assert anthropic_param("response_format.json_schema.schema", where) == \
-        "output_config.format.schema"
-    assert anthropic_param("stop", where) == "stop_sequences"
+    def refused(**fields: Any) -> str | None:
+        body = MessagesRequest.model_validate({"model": "m", "max_tokens": 8,
+                                               "messages": HI, **fields})
+
+        def validate(ids, params) -> None:
+            if params.max_reasoning_tokens is not None and params.max_reasoning_tokens > 100:
+                raise InvalidRequestError("too many", "max_reasoning_tokens")
+        with pytest.raises(APIError) as e:
+            plan_chat(to_input(body, 8), GatewayTokenizer(_Words()),
+                      EngineFacts(1000, validate), None)
+        assert e.value.status == 400
+        return e.value.param
+
+    result = [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]
+    assert refused(messages=[*HI, {"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": result}]
+                   ) == "messages[2].content[0].tool_use_id"
+    assert refused(tools=[{**WEATHER, "input_schema": {"type": "nope"}}]
+                   ) == "tools[0].input_schema"
+    assert refused(tools=[WEATHER, WEATHER]) == "tools[1].name"
+    assert refused(tools=[WEATHER], tool_choice={"type": "any"}, output_config={
+        "format": {"type": "json_schema", "schema": {"type": "object"}}}
+                   ) == "output_config.format"
+    assert refused(thinking={"type": "enabled", "budget_tokens": 101},
+                   max_tokens=200) == "thinking.budget_tokens"
+    assert refused(tool_choice={"type": "tool"}) == "tool_choice.name"
     for status, code, kind, shown in [(400, None, "invalid_request_error", 400),
                                       (401, "invalid_api_key", "authentication_error", 401),
                                       (403, None, "permission_error", 403),

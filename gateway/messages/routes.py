@@ -22,11 +22,11 @@ from gateway.access.auth import Authenticate
 from gateway.adapters.routes import ensure_adapter
 from gateway.admission import admit
 from gateway.body import read_body
-from gateway.errors import APIError, generation_failed
+from gateway.errors import generation_failed
 from gateway.messages.output import MessageFormat
-from gateway.messages.prompt import anthropic_param, renamed, to_chat
+from gateway.messages.prompt import to_input
 from gateway.messages.schemas import CountTokensRequest, MessagesRequest
-from gateway.openai.params import EngineFacts, Plan, chat_input, plan_chat, resolve_adapter
+from gateway.openai.params import EngineFacts, Plan, plan_chat, resolve_adapter
 from gateway.openai.sse import SSEResponse
 from gateway.openai.tokenizer import GatewayTokenizer
 from gateway.responses.items import new_id
@@ -63,7 +63,7 @@ def message_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
         await ensure_adapter(rt, tenant, body.model)
         adapter = resolve_adapter(body.model, rt.config.model_name, tenant, rt.engine.adapters)
         tok, facts = rt.require_ready()
-        plan, _ = await asyncio.to_thread(_plan, body, tok, facts, adapter, 1)
+        plan = await asyncio.to_thread(_plan, body, tok, facts, adapter, 1)
         return {"input_tokens": len(plan.jobs[0].prompt_ids)}
 
     return router
@@ -75,17 +75,14 @@ class MessagesFront:
 
     def __init__(self, body: MessagesRequest):
         self.body = body
-        self.where: list[str] = []
 
     async def prepare(self, tok: GatewayTokenizer, facts: EngineFacts,
                       adapter: str | None) -> Plan:
-        plan, self.where = await asyncio.to_thread(_plan, self.body, tok, facts, adapter,
-                                                   self.body.max_tokens)
-        return plan
+        return await asyncio.to_thread(_plan, self.body, tok, facts, adapter,
+                                       self.body.max_tokens)
 
     def grammar_param(self, param: str | None) -> str | None:
-        default = "tools" if self.body.tools else "output_config.format"
-        return anthropic_param(param or default, self.where)
+        return param or ("tools" if self.body.tools else "output_config.format")
 
     async def reserve(self, plan: Plan) -> str | None:
         return None
@@ -95,11 +92,6 @@ class MessagesFront:
 
 
 def _plan(body: CountTokensRequest, tok: GatewayTokenizer, facts: EngineFacts,
-          adapter: str | None, max_tokens: int) -> tuple[Plan, list[str]]:
-    """The plan of `body`'s reply, and `to_chat`'s `where`; in a worker thread. Errors name
-    the Messages parameters."""
-    chat, where = to_chat(body, max_tokens)
-    try:
-        return plan_chat(chat_input(chat), tok, facts, adapter), where
-    except APIError as e:
-        raise renamed(e, where) from None
+          adapter: str | None, max_tokens: int) -> Plan:
+    """The plan of `body`'s reply, in a worker thread. Errors name the Messages parameters."""
+    return plan_chat(to_input(body, max_tokens), tok, facts, adapter)

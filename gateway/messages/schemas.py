@@ -161,6 +161,14 @@ class CountTokensRequest(BaseModel):
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfig | None = None
+    # Switchboard's engine extensions, as chat completions take them.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    speculative: bool = True
+    chat_template_kwargs: dict[str, object] | None = None
 
     def system_text(self) -> str:
         if isinstance(self.system, list):
