@@ -170,7 +170,7 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
                "down": (RANK, INTER)}
     expands = {"o": (HIDDEN,), "down": (HIDDEN,), "qkv": (HIDDEN, KVH * D, KVH * D),
                "gate_up": (INTER, INTER)}
-    shrink_cfgs = list(itertools.product([1, 2, 4], [1024, 4096], [4, 8], [1, 2, 3]))
+    shrink_cfgs = list(itertools.product([1, 2, 4, 8], [1024, 4096], [4, 8], [1, 2, 3]))
     expand_cfgs = list(itertools.product([128, 256, 512], [16, 32, 64], [1, 2, 4], [1]))
     expand_cfgs = [c for c in expand_cfgs if c[1] <= max(16, RANK)]  # wider K tiles: same
     if quick:
@@ -189,7 +189,8 @@ def sweep_bgmv(copy_bw: float, quick: bool) -> dict:
         if default not in times:
             times[default] = in_graph(partial(launch, default))
         results[name] = dict(best=best, us=times[best] * 1e6, bytes=nbytes,
-                             default_us=times[default] * 1e6)
+                             default_us=times[default] * 1e6,
+                             configs={str(c): round(t * 1e6, 2) for c, t in times.items()})
 
     def randn(*shape):
         return [torch.randn(*shape, device="cuda", dtype=BF16) for _ in range(layers)]
@@ -327,8 +328,10 @@ def _seg_apply(y, x, layer, fused, slots, indptr, seg_slots, configs) -> None:
                              indptr, seg_slots, slots.scales, seg_lora.MAX_ROWS, *configs)
 
 
-def step_profile(copy_bw: float, unfused: bool) -> dict:
-    """Decode steps of a 4-layer Llama-3-8B-shaped model with CUDA graphs, ctx 1024."""
+def step_profile(copy_bw: float, unfused: bool, configs: list[str] = ()) -> dict:
+    """Decode steps of a 4-layer Llama-3-8B-shaped model with CUDA graphs, ctx 1024: with this
+    tree's BGMV configs, then with each of `configs` ("shrink/expand", each
+    "BLOCK_N,BLOCK_K,warps,stages"), the graphs captured anew for each."""
     from engine.config import ModelConfig
     from engine.runner.model_runner import ModelRunner
     from engine.runner.models.llama import LlamaForCausalLM
@@ -349,7 +352,11 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
     lora = wrap_model(model, slots)
     weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
     results = {}
-    for fused_ops in (True, False) if unfused else (True,):
+    tree = (bgmv.SHRINK_CONFIG, bgmv.EXPAND_CONFIG)
+    variants = [("tree", tree)] + [(c, tuple(tuple(int(v) for v in half.split(","))
+                                             for half in c.split("/"))) for c in configs]
+    for (label, (bgmv.SHRINK_CONFIG, bgmv.EXPAND_CONFIG)), fused_ops in itertools.product(
+            variants, (True, False) if unfused else (True,)):
         saved = {name: getattr(fused, name) for name in FUSED_OPS}
         if not fused_ops:
             for name in FUSED_OPS:
@@ -371,8 +378,9 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
                                     num_decodes=batch)
                 t = bench(partial(runner.graphs.run, inputs))
                 row[name] = dict(ms=t * 1e3, roofline_fraction=roofline / t)
-            results[f"{'fused' if fused_ops else 'torch'} b={batch}"] = row
-            print(f"step 4 layers {'fused' if fused_ops else 'torch'} b={batch:3d}: base "
+            kind = f"{'fused' if fused_ops else 'torch'} b={batch}"
+            results[kind if label == "tree" else f"{label} {kind}"] = row
+            print(f"step 4 layers [{label}] {kind}: base "
                   f"{row['base']['ms']:.3f} ms ({row['base']['roofline_fraction']:.2f} of "
                   f"roofline {roofline * 1e3:.3f}), lora8 {row['lora8']['ms']:.3f}, lora64 "
                   f"{row['lora64']['ms']:.3f} ms", flush=True)
@@ -380,6 +388,7 @@ def step_profile(copy_bw: float, unfused: bool) -> dict:
             setattr(fused, name, fn)
         del runner
         torch.cuda.empty_cache()
+    bgmv.SHRINK_CONFIG, bgmv.EXPAND_CONFIG = tree
     return results
 
 
@@ -388,7 +397,10 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="*", default=["decode", "prefill", "bgmv", "seg"])
     parser.add_argument("--unfused", action="store_true")
     parser.add_argument("--rank", type=int, default=RANK, help="the adapters' rank")
-    parser.add_argument("--only", action="store_true", help="run the --sweep families alone")
+    parser.add_argument("--only", action="store_true",
+                        help="run the --sweep families alone (and 'step': the decode step)")
+    parser.add_argument("--step-configs", nargs="*", default=[], help="BGMV configs the "
+                        "decode step runs with too: 'shrink/expand', each 'n,k,warps,stages'")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     globals()["RANK"] = args.rank
@@ -405,8 +417,8 @@ def main() -> None:
     for name, sweep in families.items():
         if name in args.sweep or not args.only:
             report[name] = sweep(name not in args.sweep)
-    if not args.only:
-        report["step"] = step_profile(bw, args.unfused)
+    if "step" in args.sweep or not args.only:
+        report["step"] = step_profile(bw, args.unfused, args.step_configs)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -262,16 +262,16 @@ def bgmv_expand_slices_triton(
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages). Shrink is a long-K, narrow-N product (K = hidden
-# or intermediate, N = slices x rank): one output row per program gives the most programs, and
-# wide, double-buffered K tiles keep each one's loads in flight. Expand is short-K (K = rank).
-# Timed as the engine runs them (padded slot stacks), in a CUDA graph of 8 layers (H100, bf16,
-# batch 64, a distinct rank-16 adapter per token), as fractions of the copy bandwidth, against
-# the earlier (4, 1024, 8, 1) / (256, 16, 4, 1): shrink qkv 0.75 (0.74), gate_up 0.65 (0.64),
-# o 0.50 (0.42), down 0.78 (0.63); expand qkv 0.54 (0.51), gate_up 0.84 (0.77), o / down 0.50 /
-# 0.48 (0.51 / 0.49). Single-kernel timings with L2 flushed (`kernel_tune.py`) had ranked them
-# apart.
-SHRINK_CONFIG = (1, 4096, 8, 2)
-EXPAND_CONFIG = (256, 16, 2, 1)
+# or intermediate, N = slices x rank): a few output rows per program and wide, double-buffered
+# K tiles keep each one's loads in flight. Expand is short-K (K = rank): narrow column tiles,
+# one warp each, give the most programs. Timed as the engine runs them (`kernel_tune.py
+# --sweep bgmv --rank R`: padded slot stacks, a CUDA graph of 8 layers, batch 64, a distinct
+# adapter per token; H200, bf16), the sum over the four projections against the best config at
+# each rank 8 / 16 / 32 / 64: shrink 1.05 / 1.00 / 1.00 / 1.00 (the earlier (1, 4096, 8, 2):
+# 1.00 / 1.02 / 1.09 / 1.11), expand 1.00 at every rank (the earlier (256, 16, 2, 1): 1.13 /
+# 1.12 / 1.14 / 1.16). Wider expand K tiles (32, 64) lost at every rank.
+SHRINK_CONFIG = (4, 4096, 4, 2)
+EXPAND_CONFIG = (128, 16, 1, 1)
 
 
 def _launch(
