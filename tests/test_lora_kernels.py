@@ -395,8 +395,9 @@ def test_max_rank_of_the_launch_changes_nothing(request, kind, backend):
 
 
 def test_bgmv_production_tiles(triton_ready, monkeypatch):
-    """BGMV with its configured tiles (the other tests run it wider when interpreted): one
-    output column per shrink program, expand steps of 16 rank entries (two for rank 24)."""
+    """BGMV with its configured tiles (the other tests run it wider when interpreted): a few
+    output columns per shrink program (a tile may straddle two slices at R = 24), expand steps
+    of 16 rank entries (two for rank 24)."""
     monkeypatch.setattr(bgmv, "SHRINK_CONFIG", PRODUCTION_CONFIGS[0])
     monkeypatch.setattr(bgmv, "EXPAND_CONFIG", PRODUCTION_CONFIGS[1])
     gen = seeded("production")
