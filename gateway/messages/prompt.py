@@ -34,16 +34,34 @@ from gateway.messages.schemas import (
 from gateway.openai.params import ChatInput, Sampling, template_kwargs
 from gateway.openai.schemas import reasoning_budget
 from gateway.openai.tools import Spelling
-from grammar.spec import GrammarError, parse_json_schema
-from grammar.tools import parse_tools
+from grammar.spec import ConstraintSpec, GrammarError, parse_json_schema
+from grammar.tools import ToolChoice, parse_tools
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
 def to_input(body: CountTokensRequest, max_tokens: int = 1) -> ChatInput:
     """The planner's input for `body`'s reply. `max_tokens`: a count_tokens body has none."""
+    messages, where = _conversation(body)
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and bool(last["content"]) and not last.get("tool_calls")
+    tools, output = _tools_and_format(body)
+    thinking = body.thinking is not None and body.thinking.on
+    # Anthropic's models think only when asked: so do templates that can be told (Qwen3's).
+    kwargs = template_kwargs({"enable_thinking": thinking, **(body.chat_template_kwargs or {})},
+                             None)
+    spelling = Spelling(message=lambda i: where[i] if i < len(where) else "messages",
+                        call_id="tool_use_id",
+                        renames={"max_reasoning_tokens": "thinking.budget_tokens",
+                                 "stop": "stop_sequences"})
+    return ChatInput(messages, _sampling(body, max_tokens, thinking), tools, output,
+                     "output_config.format", kwargs, prefill, spelling)
+
+
+def _conversation(body: CountTokensRequest) -> tuple[list[dict[str, object]], list[str]]:
+    """(the chat messages, the Messages parameter each came from)."""
     messages: list[dict[str, object]] = []
-    where: list[str] = []  # the Messages parameter each chat message came from
+    where: list[str] = []
     if body.system_text():
         messages.append({"role": "system", "content": body.system_text()})
         where.append("system")
@@ -52,48 +70,46 @@ def to_input(body: CountTokensRequest, max_tokens: int = 1) -> ChatInput:
         messages += [msg for msg, _ in turn]
         where += [w for _, w in turn]
     check_history(len(messages))  # tool results made more messages than were counted
-    last = messages[-1]
-    # a prefill: the reply continues it
-    prefill = last["role"] == "assistant" and bool(last["content"]) and not last.get("tool_calls")
-    thinking = body.thinking is not None and body.thinking.on
+    return messages, where
+
+
+def _sampling(body: CountTokensRequest, max_tokens: int, thinking: bool) -> Sampling:
+    """The reply's sampling: `thinking.budget_tokens` when thinking is on, else the budget of
+    `output_config.effort` ("max": unbounded)."""
     budget = body.thinking.budget_tokens if body.thinking is not None and thinking else None
     config = body.output_config
     effort = config.effort if config is not None and config.effort != "max" else None
-    if budget is None:
-        budget = reasoning_budget(None, effort)
-    # Anthropic's models think only when asked: so do templates that can be told (Qwen3's).
-    kwargs = {"enable_thinking": thinking, **(body.chat_template_kwargs or {})}
-    sampling = Sampling(max_tokens=max_tokens, max_reasoning_tokens=budget, seed=body.seed,
-                        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+    sampling = Sampling(max_tokens=max_tokens,
+                        max_reasoning_tokens=budget or reasoning_budget(None, effort),
+                        seed=body.seed, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                         min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                         speculative=body.speculative)
-    if isinstance(body, MessagesRequest):
-        sampling = replace(sampling, temperature=body.temperature, top_p=body.top_p,
-                           top_k=body.top_k, stop=tuple(body.stop_sequences or ()))
-    fmt = config.format if config is not None else None
+    if not isinstance(body, MessagesRequest):  # count_tokens: the prompt only
+        return sampling
+    return replace(sampling, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                   stop=tuple(body.stop_sequences or ()))
+
+
+def _tools_and_format(body: CountTokensRequest) -> tuple[ToolChoice | None,
+                                                          ConstraintSpec | None]:
+    """`tools` / `tool_choice` and `output_config.format`, their sizes checked first; errors
+    name the Messages fields (a tool's schema is its `input_schema`)."""
+    fmt = body.output_config.format if body.output_config is not None else None
+    schema = fmt.schema_ if fmt is not None else None
     tools = [{"type": "function", "name": t.name, "parameters": t.input_schema,
               **({"description": t.description} if t.description is not None else {})}
              for t in body.tools or []]
-    schemas = [(f"tools[{i}].input_schema", t.input_schema) for i, t in
-               enumerate(body.tools or [])]
-    check_schema_fields({"tools": tools or None,
-                         "output_config.format": fmt.schema_ if fmt is not None else None},
-                        [*schemas, ("output_config.format.schema",
-                                    fmt.schema_ if fmt is not None else None)])
+    schemas = [(f"tools[{i}].input_schema", t["parameters"]) for i, t in enumerate(tools)]
+    check_schema_fields({"tools": tools or None, "output_config.format": schema},
+                        [*schemas, ("output_config.format.schema", schema)])
     choice, parallel = _tool_choice(body)
     try:
-        parsed = parse_tools(tools or None, choice, parallel, flat=True)
-        output = (parse_json_schema(fmt.schema_, "output_config.format.schema", "output")
-                  if fmt is not None else None)
+        return (parse_tools(tools or None, choice, parallel, flat=True),
+                None if fmt is None else parse_json_schema(schema, "output_config.format.schema",
+                                                           "output"))
     except GrammarError as e:
         param = (e.param or "tools").replace(".parameters", ".input_schema", 1)
         raise bad_request(e.message.replace(".parameters", ".input_schema", 1), param) from None
-    return ChatInput(messages, sampling, parsed, output, "output_config.format",
-                     template_kwargs(kwargs, None), prefill,
-                     Spelling(message=lambda i: where[i] if i < len(where) else "messages",
-                              call_id="tool_use_id",
-                              renames={"max_reasoning_tokens": "thinking.budget_tokens",
-                                       "stop": "stop_sequences"}))
 
 
 def _tool_choice(body: CountTokensRequest) -> tuple[object, bool | None]:
