@@ -136,14 +136,7 @@ def parse_response_format(rf: object) -> ConstraintSpec | None:
         js, q = rf.get("json_schema"), f"{p}.json_schema"
         if not isinstance(js, dict):
             raise GrammarError(f"{q} must be an object", q)
-        name = js.get("name")
-        if name is not None and not isinstance(name, str):
-            raise GrammarError(f"{q}.name must be a string", f"{q}.name")
-        if not isinstance(js.get("strict"), bool | None):
-            raise GrammarError(f"{q}.strict must be a boolean", f"{q}.strict")
-        if "schema" not in js:
-            raise GrammarError(f"{q}.schema is required", f"{q}.schema")
-        return _json_schema_spec(js["schema"], f"{q}.schema", name)
+        return _named_schema(js, q)
     if kind == "regex":
         return ConstraintSpec("regex", _text(rf.get("regex"), f"{p}.regex"), param=f"{p}.regex")
     if kind == "grammar":
@@ -167,17 +160,23 @@ def parse_text_format(fmt: object, p: str = "text.format") -> ConstraintSpec | N
     if kind == "json_object":
         return ConstraintSpec("json_object", param=p)
     if kind == "json_schema":
-        name = fmt.get("name")
-        if name is not None and not isinstance(name, str):
-            raise GrammarError(f"{p}.name must be a string", f"{p}.name")
-        if not isinstance(fmt.get("strict"), bool | None):
-            raise GrammarError(f"{p}.strict must be a boolean", f"{p}.strict")
-        if "schema" not in fmt:
-            raise GrammarError(f"{p}.schema is required", f"{p}.schema")
-        return _json_schema_spec(fmt["schema"], f"{p}.schema", name)
+        return _named_schema(fmt, p)
     shown = repr(kind) if len(repr(kind)) <= 64 else repr(kind)[:64] + "…"
     raise GrammarError(f"{p} of type {shown} is not supported; use 'text', 'json_object' or "
                        "'json_schema'.", f"{p}.type")
+
+
+def _named_schema(js: dict[str, object], q: str) -> ConstraintSpec:
+    """`{"name", "schema", "strict"}` at `q` (chat's `response_format.json_schema`, the
+    Responses API's `text.format`) as a constraint."""
+    name = js.get("name")
+    if name is not None and not isinstance(name, str):
+        raise GrammarError(f"{q}.name must be a string", f"{q}.name")
+    if not isinstance(js.get("strict"), bool | None):
+        raise GrammarError(f"{q}.strict must be a boolean", f"{q}.strict")
+    if "schema" not in js:
+        raise GrammarError(f"{q}.schema is required", f"{q}.schema")
+    return _json_schema_spec(js["schema"], f"{q}.schema", name)
 
 
 def parse_structured_outputs(so: object) -> ConstraintSpec | None:

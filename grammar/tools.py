@@ -85,11 +85,13 @@ class _Payload(TypedDict):
 
 
 def parse_tools(
-    tools: object, tool_choice: object = None, parallel: object = None, flat: bool = False
+    tools: object, tool_choice: object = None, parallel: object = None, flat: bool = False,
+    schema_key: str = "parameters",
 ) -> ToolChoice | None:
     """Validate the request's tool fields; None when no tools are offered. A tool is chat
     completions' `{"type": "function", "function": {"name", "description", "parameters"}}`,
-    or with `flat` the Responses API's `{"type": "function", "name", ...}`.
+    or with `flat` the Responses API's `{"type": "function", "name", ...}`; `schema_key`: the
+    key of the arguments' schema (the Messages API's tools hold it as `input_schema`).
 
     Raises GrammarError (param: `tools[i]...`, `tool_choice`) for a parameters object that is
     not a JSON schema, duplicate or malformed names, or a tool_choice naming no offered tool.
@@ -102,7 +104,7 @@ def parse_tools(
         raise GrammarError("tools must be a list", "tools")
     parsed: list[Tool] = []
     for i, t in enumerate(tools):
-        parsed.append(_tool(t, f"tools[{i}]", flat))
+        parsed.append(_tool(t, f"tools[{i}]", flat, schema_key))
     seen: set[str] = set()
     for i, t in enumerate(parsed):
         if t.name in seen:
@@ -253,7 +255,7 @@ def _payload(spec: ConstraintSpec) -> _Payload:
     return spec.parsed  # parsed once per spec: read-only
 
 
-def _tool(t: object, p: str, flat: bool = False) -> Tool:
+def _tool(t: object, p: str, flat: bool = False, schema_key: str = "parameters") -> Tool:
     if not isinstance(t, dict):
         raise GrammarError(f"{p} must be an object", p)
     if t.get("type") != "function":
@@ -268,8 +270,8 @@ def _tool(t: object, p: str, flat: bool = False) -> Tool:
     desc = fn.get("description")
     if desc is not None and not isinstance(desc, str):
         raise GrammarError(f"{f}.description must be a string", f"{f}.description")
-    params = fn["parameters"] if "parameters" in fn else copy.deepcopy(NO_PARAMETERS)
-    q = f"{f}.parameters"
+    params = fn[schema_key] if schema_key in fn else copy.deepcopy(NO_PARAMETERS)
+    q = f"{f}.{schema_key}"
     if not isinstance(params, dict):
         raise GrammarError(f"{q} must be a JSON schema object", q)
     if params.get("type", "object") != "object":

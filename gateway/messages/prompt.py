@@ -96,20 +96,19 @@ def _tools_and_format(body: CountTokensRequest) -> tuple[ToolChoice | None,
     name the Messages fields (a tool's schema is its `input_schema`)."""
     fmt = body.output_config.format if body.output_config is not None else None
     schema = fmt.schema_ if fmt is not None else None
-    tools = [{"type": "function", "name": t.name, "parameters": t.input_schema,
+    tools = [{"type": "function", "name": t.name, "input_schema": t.input_schema,
               **({"description": t.description} if t.description is not None else {})}
              for t in body.tools or []]
-    schemas = [(f"tools[{i}].input_schema", t["parameters"]) for i, t in enumerate(tools)]
+    schemas = [(f"tools[{i}].input_schema", t["input_schema"]) for i, t in enumerate(tools)]
     check_schema_fields({"tools": tools or None, "output_config.format": schema},
                         [*schemas, ("output_config.format.schema", schema)])
     choice, parallel = _tool_choice(body)
     try:
-        return (parse_tools(tools or None, choice, parallel, flat=True),
+        return (parse_tools(tools or None, choice, parallel, flat=True, schema_key="input_schema"),
                 None if fmt is None else parse_json_schema(schema, "output_config.format.schema",
                                                            "output"))
     except GrammarError as e:
-        param = (e.param or "tools").replace(".parameters", ".input_schema", 1)
-        raise bad_request(e.message.replace(".parameters", ".input_schema", 1), param) from None
+        raise bad_request(e.message, e.param or "tools") from None
 
 
 def _tool_choice(body: CountTokensRequest) -> tuple[object, bool | None]:
