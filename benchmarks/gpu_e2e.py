@@ -369,7 +369,7 @@ class Server:
 
 async def stream(client: httpx.AsyncClient, path: str, body: dict) -> dict:
     """One streamed request: TTFT, per-token time, tokens, usage, the text, or the error."""
-    t = time.perf_counter()
+    t, sent_at = time.perf_counter(), time.time()
     first = last = None
     chunks, text, usage, error = 0, "", None, None
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -394,7 +394,8 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict) -> dict:
     done = time.perf_counter()
     n = (usage or {}).get("completion_tokens", 0)
     return {"ttft": (first or done) - t, "tpot": ((last or done) - (first or done)) / max(n - 1, 1),
-            "tokens": n, "usage": usage or {}, "text": text, "error": error}
+            "tokens": n, "usage": usage or {}, "text": text, "error": error,
+            "sent_at": sent_at, "done_at": sent_at + done - t}
 
 
 def queueing(before: dict[str, float], after: dict[str, float]) -> dict:
@@ -402,7 +403,9 @@ def queueing(before: dict[str, float], after: dict[str, float]) -> dict:
     their TTFT waited for: their grammars (constrained requests, before they are queued), the
     engine's queue (for a seat, pages, an adapter), each as the mean and the share over 1 s;
     how many sequences were preempted; the prompt tokens the prefix cache served; the engine's
-    steps by kind with their mean ms (beside the offline engine's, `greedy_steps`)."""
+    steps by kind with their mean ms (beside the offline engine's, `greedy_steps`); the core
+    loop's seconds applying commands, stepping and publishing outputs (the rest of the round's
+    wall it waited for work)."""
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -417,7 +420,9 @@ def queueing(before: dict[str, float], after: dict[str, float]) -> dict:
     return {"grammar_wait": waits("grammar_wait"), "queue_time": waits("request_queue_time"),
             "preemptions": int(delta("switchboard_preemptions_total")),
             "prefix_hit_tokens": round(hit / max(hit + miss, 1), 3),
-            "engine_steps": step_kinds(metric_steps(before), metric_steps(after))}
+            "engine_steps": step_kinds(metric_steps(before), metric_steps(after)),
+            "loop_s": {part: round(delta(f'switchboard_engine_loop_seconds_total{{part="{part}"}}'),
+                                   3) for part in ("commands", "step", "publish")}}
 
 
 def metric_steps(m: dict[str, float]) -> dict[str, tuple[float, float]]:
@@ -446,53 +451,75 @@ def pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else float("nan")
 
 
-async def http_client(url: str, prompts, outputs, concurrency: int) -> dict:
+async def http_client(url: str, prompts, outputs, concurrency: int, ready=None) -> dict:
     """One client process's share: its requests through /v1/completions, `concurrency` at a
-    time. Returns each request's record, the wall span and this process's CPU seconds."""
+    time. With `ready` (a barrier shared with the other client processes and the parent), the
+    requests go out once every process has connected. Returns each request's record, the wall
+    span and this process's CPU seconds."""
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 8)
+    limits = httpx.Limits(max_connections=concurrency + 8,
+                          max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def one(p, m):
             async with gate:
                 return await stream(client, "/v1/completions", {
                     "model": model, "prompt": p, "max_tokens": m, "temperature": 0,
                     "ignore_eos": True})
+        # The connections open before the start, as a fleet of clients holds theirs: opening
+        # 32 from one Python process spread its first requests over ~0.16 s (H200 host), time
+        # the server had nothing to run.
+        await asyncio.gather(*(client.get("/health") for _ in range(concurrency)))
+        if ready is not None:
+            ready.wait()  # blocks the loop, which has nothing else to run yet
         cpu, start = time.process_time(), time.time()
         res = await asyncio.gather(*(one(p, m) for p, m in zip(prompts, outputs, strict=True)))
         end = time.time()
     return {"records": res, "start": start, "end": end, "cpu_s": time.process_time() - cpu}
 
 
-def _client_process(url: str, prompts, outputs, concurrency: int) -> dict:
-    return asyncio.run(http_client(url, prompts, outputs, concurrency))
+def _client_process(url: str, prompts, outputs, concurrency: int, ready, results, k: int) -> None:
+    results.put((k, asyncio.run(http_client(url, prompts, outputs, concurrency, ready))))
 
 
-def http_workload(url: str, prompts, outputs, concurrency: int, processes: int = 1) -> dict:
+def http_workload(url: str, prompts, outputs, concurrency: int, processes: int = 1,
+                  records: list | None = None) -> dict:
     """Every request of the workload through /v1/completions, `concurrency` at a time, from
     `processes` client processes (request i goes to process i mod processes, each with its
     share of the concurrency). A Python client parses every SSE event; at a few thousand
     events a second one process can fall behind the server, and then the figure measures the
-    client. `client_cpu` is each process's CPU time ÷ the wall time: near 1.0, add processes."""
+    client. `client_cpu` is each process's CPU time ÷ the wall time: near 1.0, add processes.
+    The processes start, import and connect first, then all begin at once, as the offline
+    engine gets its requests at once (begun as each got ready, they were 1.3-1.5 s apart on an
+    H200 host, most of it importing torch). `records`, when given, receives each request's
+    record (`stream`'s, with wall-clock times)."""
     if processes == 1:
-        parts = [_client_process(url, prompts, outputs, concurrency)]
+        parts = [asyncio.run(http_client(url, prompts, outputs, concurrency))]
     else:
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-        with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
-            list(pool.map(time.sleep, [0.0] * processes))  # the processes start before timing
-            ks = range(processes)
-            parts = list(pool.map(_client_process, [url] * processes,
-                                  [prompts[k::processes] for k in ks],
-                                  [outputs[k::processes] for k in ks],
-                                  [concurrency // processes] * processes))
+        ctx = mp.get_context("spawn")
+        ready, results = ctx.Barrier(processes), ctx.Queue()
+        procs = [ctx.Process(target=_client_process, daemon=True, args=(
+            url, prompts[k::processes], outputs[k::processes], concurrency // processes, ready,
+            results, k)) for k in range(processes)]
+        for proc in procs:
+            proc.start()
+        done = dict(results.get() for _ in procs)
+        for proc in procs:
+            proc.join()
+        parts = [done[k] for k in range(processes)]
     res = [r for part in parts for r in part["records"]]
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     ok = [r for r in res if not r.get("error")]
+    if records is not None:
+        records.extend(res)
     return {"tok_s": round(sum(r["tokens"] for r in ok) / wall), "requests": len(res),
             "errors": len(res) - len(ok), "ttft_p50_s": pct([r["ttft"] for r in ok], 0.5),
             "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99), "client_processes": processes,
-            "client_cpu": [round(p["cpu_s"] / (p["end"] - p["start"]), 2) for p in parts]}
+            "client_cpu": [round(p["cpu_s"] / (p["end"] - p["start"]), 2) for p in parts],
+            "start_skew_s": round(max(p["start"] for p in parts)
+                                  - min(p["start"] for p in parts), 4),
+            "wall_s": round(wall, 3)}
 
 
 def tool_result(rng: random.Random, lines: int) -> str:

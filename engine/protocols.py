@@ -99,6 +99,10 @@ class EngineStats:
     spec_emitted: int = 0
     spec_forced: int = 0
     fatal_error: str | None = None  # why the engine stopped for good (a rank died), else None
+    # The core loop's wall seconds by part (engine/core/loop.py `LOOP_PARTS`): waiting for work,
+    # applying commands, stepping, publishing outputs. Left out of equality: a snapshot that
+    # differs only there is not news (an idle loop still waits).
+    loop_seconds: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 class EngineClient(Protocol):

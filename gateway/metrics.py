@@ -161,6 +161,12 @@ class _PrefixCacheCollector:
             took.add_metric([kind], seconds)
         yield steps
         yield took
+        loop = CounterMetricFamily("switchboard_engine_loop_seconds", "The engine core loop's "
+                                   "wall time by part: waiting for work, applying commands, "
+                                   "stepping, publishing outputs", labels=["part"])
+        for part, seconds in stats.loop_seconds.items():
+            loop.add_metric([part], seconds)
+        yield loop
         yield GaugeMetricFamily("switchboard_prefix_cache_pages", "KV pages the prefix cache holds",
                                 value=p.cached_pages)
         yield from _kv_tier_metrics(p)

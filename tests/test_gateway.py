@@ -219,6 +219,10 @@ def test_metrics_expose_the_histograms(server: GatewayServer, client: OpenAI) ->
     assert m["switchboard_preemptions_total"] == 0  # a pool of 160 pages never ran short
     assert m['switchboard_engine_steps_total{kind="synchronous"}'] >= 2  # prefill, decode
     assert m['switchboard_engine_step_seconds_total{kind="synchronous"}'] > 0
+    loop = {part: m[f'switchboard_engine_loop_seconds_total{{part="{part}"}}']
+            for part in ("wait", "commands", "step", "publish")}
+    assert loop["step"] >= m['switchboard_engine_step_seconds_total{kind="synchronous"}']
+    assert loop["wait"] > 0 and loop["commands"] > 0 and loop["publish"] > 0
     assert m["switchboard_kv_pages_total"] == 160 and "switchboard_kv_pages_used" in m
     assert "switchboard_queue_depth" in m and "switchboard_running_batch_size" in m
     assert m['switchboard_prompt_tokens_total{tenant="alpha"}'] > 0

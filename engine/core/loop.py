@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,9 @@ class FailAll:
 
 
 STOP = "stop"  # the command that ends the loop
+# Where the loop's wall time goes: blocked for work while idle, applying commands (adding
+# requests), stepping, publishing the outputs and stats.
+LOOP_PARTS = ("wait", "commands", "step", "publish")
 Command = GenerateRequest | Abort | ReleaseSession | FailAll | str
 Emit = Callable[[list[RequestOutput], EngineStats], None]
 
@@ -75,6 +79,8 @@ class EngineCore:
         self._on_stage = on_stage or (lambda stage: None)
         self._live: set[str] = set()  # requests added and not finished
         self._stopping = False
+        # Where the loop's wall time went (`EngineStats.loop_seconds`).
+        self._seconds = dict.fromkeys(LOOP_PARTS, 0.0)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -123,40 +129,54 @@ class EngineCore:
 
     def _iterate(self) -> None:
         outputs = self._drain(block=not self.engine.has_unfinished_requests())
+        t = time.perf_counter()
         if self.engine.has_unfinished_requests() and not self._stopping:
             outputs += self._step()
         self._live.difference_update(o.request_id for o in outputs if o.finished)
+        published = time.perf_counter()
+        self._seconds["step"] += published - t
         self.stats = self._snapshot()
         self._emit(outputs, self.stats)
+        self._seconds["publish"] += time.perf_counter() - published
 
     def _drain(self, block: bool) -> list[RequestOutput]:
         """Apply queued commands; when idle, wait a while for the first one."""
         outputs: list[RequestOutput] = []
         while True:
+            t = time.perf_counter()
             try:
                 cmd = self.inbox.get(timeout=IDLE_POLL_S) if block else self.inbox.get_nowait()
             except queue.Empty:
                 return outputs
+            finally:
+                got = time.perf_counter()
+                self._seconds["wait" if block else "commands"] += got - t
             block = False
             if cmd == STOP:
                 return outputs
-            if isinstance(cmd, Abort):
-                self._live.discard(cmd.request_id)
-                try:
-                    self.engine.abort_request(cmd.request_id)  # nobody listens for its output
-                except Exception:
-                    log.exception("aborting %s failed", cmd.request_id)
-            elif isinstance(cmd, FailAll):
-                outputs += self._abort_all(set(self._live), cmd.why)
-            elif isinstance(cmd, ReleaseSession):
-                try:
-                    self.engine.release_session(cmd.session_id)
-                except Exception:
-                    log.exception("releasing session %s failed", cmd.session_id)
-            elif isinstance(cmd, GenerateRequest):
-                err = self._add(cmd)
-                if err is not None:
-                    outputs.append(err)
+            outputs += self._apply(cmd)
+            self._seconds["commands"] += time.perf_counter() - got
+
+    def _apply(self, cmd: Command) -> list[RequestOutput]:
+        """One command; the outputs it ended (a failed add, the requests a FailAll ended)."""
+        if isinstance(cmd, Abort):
+            self._live.discard(cmd.request_id)
+            try:
+                self.engine.abort_request(cmd.request_id)  # nobody listens for its output
+            except Exception:
+                log.exception("aborting %s failed", cmd.request_id)
+        elif isinstance(cmd, FailAll):
+            return self._abort_all(set(self._live), cmd.why)
+        elif isinstance(cmd, ReleaseSession):
+            try:
+                self.engine.release_session(cmd.session_id)
+            except Exception:
+                log.exception("releasing session %s failed", cmd.session_id)
+        elif isinstance(cmd, GenerateRequest):
+            err = self._add(cmd)
+            if err is not None:
+                return [err]
+        return []
 
     def _add(self, req: GenerateRequest) -> RequestOutput | None:
         if self.fatal_error is not None:
@@ -222,6 +242,7 @@ class EngineCore:
             spec_emitted=spec.emitted if spec else 0,
             spec_forced=spec.forced if spec else 0,
             fatal_error=self.fatal_error,
+            loop_seconds=dict(self._seconds),
         )
 
 
