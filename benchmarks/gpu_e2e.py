@@ -479,7 +479,14 @@ async def http_client(url: str, prompts, outputs, concurrency: int, ready=None) 
 
 
 def _client_process(url: str, prompts, outputs, concurrency: int, ready, results, k: int) -> None:
-    results.put((k, asyncio.run(http_client(url, prompts, outputs, concurrency, ready))))
+    """A client process: its share's result, or its error (the barrier is broken for the
+    others, so that none waits for it)."""
+    try:
+        part: object = asyncio.run(http_client(url, prompts, outputs, concurrency, ready))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        ready.abort()
+        part = RuntimeError(f"client process {k}: {type(e).__name__}: {e}")
+    results.put((k, part))
 
 
 def http_workload(url: str, prompts, outputs, concurrency: int, processes: int = 1,
@@ -507,6 +514,8 @@ def http_workload(url: str, prompts, outputs, concurrency: int, processes: int =
         done = dict(results.get() for _ in procs)
         for proc in procs:
             proc.join()
+        if errors := [p for p in done.values() if isinstance(p, Exception)]:
+            raise errors[0]
         parts = [done[k] for k in range(processes)]
     res = [r for part in parts for r in part["records"]]
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)

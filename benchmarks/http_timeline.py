@@ -77,7 +77,8 @@ class Poller(threading.Thread):
         super().__init__(daemon=True)
         self.srv, self.every, self.done = srv, every, threading.Event()
         self.changes: list[tuple[float, float, float]] = []
-        self.loop: list[dict[str, float]] = []
+        self.first_loop: dict[str, float] | None = None
+        self.last_loop: dict[str, float] = {}
 
     def run(self) -> None:
         last = None
@@ -86,9 +87,8 @@ class Poller(threading.Thread):
             steps, now = metric_steps(m), time.time()
             loop = {k[k.index('"') + 1:-2]: v for k, v in m.items()
                     if k.startswith("switchboard_engine_loop_seconds_total")}
-            self.loop[1:] = [loop] if self.loop else []
-            if not self.loop:
-                self.loop.append(loop)
+            self.first_loop = loop if self.first_loop is None else self.first_loop
+            self.last_loop = loop
             n, s = sum(v[0] for v in steps.values()), sum(v[1] for v in steps.values())
             if (n, s) != last:
                 self.changes.append((now, n, s))
@@ -115,8 +115,9 @@ def http_timeline(srv: Server, prompts, outputs) -> dict:
     head = first_step - start
     tail = end - last_change[0]
     sends = sorted(r["sent_at"] - start for r in records)
-    loop = {f"loop_{k}_s": round(v - poll.loop[0].get(k, 0.0), 3)
-            for k, v in poll.loop[-1].items() if k != "wait"}  # an idle reading is stale
+    first = poll.first_loop or {}
+    loop = {f"loop_{k}_s": round(v - first.get(k, 0.0), 3)
+            for k, v in poll.last_loop.items() if k != "wait"}  # an idle reading is stale
     return {"tok_s": res["tok_s"], "wall_s": round(end - start, 3),
             "start_skew_s": res["start_skew_s"], "head_s": round(head, 4),
             "steps_s": round(steps_s, 3), "steps": int(last_change[1] - n0),
