@@ -203,7 +203,8 @@ class EngineConfig(BaseModel):
         "(default: a quarter of the pool)")
     host_kv_gb: float = setting(
         0.0, ge=0, metavar="GB", help="host-memory KV tier under the prefix cache: evicted KV "
-        "moves there and is copied back on a hit instead of recomputed (0: off)")
+        "moves there and is copied back on a hit instead of recomputed (0: off; with "
+        "tensor parallelism, each rank's share)")
     host_kv_pages: int | None = setting(
         None, ge=0, help="host-tier KV pages (default: sized from --host-kv-gb)")
     kv_disk_dir: Path | None = setting(
@@ -228,9 +229,9 @@ class EngineConfig(BaseModel):
             raise ValueError("max_cpu_loras must be >= max_loras")
         if self.kv_disk_dir is not None and not (self.host_kv_gb or self.host_kv_pages):
             raise ValueError("kv_disk_dir needs a host tier (host_kv_gb or host_kv_pages)")
-        if self.tensor_parallel_size > 1 and (self.host_kv_gb or self.host_kv_pages):
-            raise ValueError("the host KV tier (host_kv_gb, host_kv_pages) does not yet run "
-                             "with tensor_parallel_size > 1")
+        if self.tensor_parallel_size > 1 and self.kv_disk_dir is not None:
+            raise ValueError("the disk KV tier (kv_disk_dir) does not yet run with "
+                             "tensor_parallel_size > 1; the host tier does")
         return self
 
     def settle_device(self, cuda: bool, checkpoint_dtype: str | None) -> tuple[EngineConfig,

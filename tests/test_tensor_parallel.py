@@ -23,7 +23,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig, ModelLoadError
-from engine.parallel.collectives import RankDied
+from engine.parallel.collectives import KVLoad, RankDied
 from engine.parallel.partition import Partition, cut_fused
 from engine.runner.synthetic import hf_config
 from tests.tiny_models import random_peft_adapter
@@ -113,9 +113,36 @@ def test_a_rank_reads_only_its_slices_of_a_checkpoint(tmp_path):
             assert torch.equal(t, cut_fused(name, whole[name], part, cfg)), (rank, name)
 
 
-def test_config_refuses_the_host_tier_with_tensor_parallelism():
-    with pytest.raises(ValueError, match="host KV tier"):
-        EngineConfig(tensor_parallel_size=2, host_kv_gb=1.0)
+def test_config_refuses_the_disk_tier_with_tensor_parallelism(tmp_path):
+    with pytest.raises(ValueError, match="disk KV tier"):
+        EngineConfig(tensor_parallel_size=2, host_kv_gb=1.0, kv_disk_dir=tmp_path)
+
+
+def test_two_ranks_load_a_prefix_back_from_the_host_tier(smollm2_dir, smollm2):
+    """Each rank keeps its KV heads' share of every host page: a prefix evicted to the host
+    tier and loaded back gives the cold run's tokens, and one rank's."""
+    from tests.test_prefix_cache_model import run
+
+    prompt = smollm2.tokenizer.encode("Tool result: " + ", ".join(
+        f"row {i} has value {i * 7 % 13}" for i in range(30)))
+    out = {}
+    for size in (1, 2):
+        with LLM(model=str(smollm2_dir), tensor_parallel_size=size, num_pages=64,
+                 host_kv_pages=64, max_loras=0) as llm:
+            engine, cache = llm.engine, llm.engine.prefix_cache
+            cold, _ = run(engine, prompt)
+            assert cache.make_room(engine.allocator.num_pages)  # every page to the host
+            assert cache.tree.cached_pages == 0 and cache.tree.host.cached_pages > 0
+            if size == 2:  # the worker's device pages lose the prefix: only its load restores it
+                unused = cache.tiers.host_allocator.num_pages - 1
+                engine.workers.tp.send(KVLoad([unused] * engine.allocator.num_pages,
+                                              list(range(engine.allocator.num_pages))))
+            warm, cached = run(engine, prompt)
+            assert cached >= len(prompt) - 2 * engine.cfg.page_size
+            assert cache.stats().host_hit_tokens == cached
+            assert warm == cold
+            out[size] = cold
+    assert out[2] == out[1]
 
 
 # -- two ranks against one ----------------------------------------------------------------

@@ -25,7 +25,7 @@ from engine.kv.disk import DiskKV, fingerprint
 from engine.kv.page_allocator import PageAllocator
 from engine.kv.prefix_cache import PrefixCache
 from engine.messages import RequestOutput
-from engine.parallel.collectives import SentSlots, rank_fingerprint
+from engine.parallel.collectives import SentHostKV, SentSlots, rank_fingerprint
 from engine.parallel.partition import Partition
 from engine.parallel.workers import Workers
 from engine.runner.loader import load_model, resolve_model_dir
@@ -128,9 +128,11 @@ class LLMEngine:
         if speculator is not None and cfg.overlap_schedule:
             # The overlapped speculative loop's kernels compile now, not in its first step.
             spec_decode.warm_up(device, speculator.k, cfg.page_size)
+        host = self.runner.host_kv
+        if host is not None and tp is not None:
+            host = SentHostKV(host, tp)  # the workers copy their heads' share of each page
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
-                                        cfg.session_kv_pages, self.runner.host_kv,
-                                        self._disk_tier(cfg, dtype))
+                                        cfg.session_kv_pages, host, self._disk_tier(cfg, dtype))
         self.scheduler = Scheduler(
             self.allocator,
             cfg.page_size,
@@ -242,8 +244,12 @@ class LLMEngine:
         return self.workers.dead() if self.workers is not None else None
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers; the engine cannot step afterwards."""
-        workers = getattr(self, "workers", None)  # None too if __init__ failed before it
+        """Free the CUDA graphs and stop the tensor-parallel workers; the engine cannot step
+        afterwards."""
+        runner = getattr(self, "runner", None)  # None too if __init__ failed before it
+        if runner is not None:
+            runner.close()
+        workers = getattr(self, "workers", None)
         if workers is not None:
             workers.close()
 

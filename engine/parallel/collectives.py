@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import threading
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank stuck this long fails the step
 IDLE_TIMEOUT = timedelta(days=365)  # workers wait for rank 0's next message this long
+ONE_SHOT_BYTES = 1 << 20  # all-reduces up to this size go through symmetric memory on GPUs
 
 
 class RankDied(RuntimeError):
@@ -49,18 +52,54 @@ class TPGroup:
         # Tensors go through the default group (NCCL on GPUs); messages (pickled objects) over
         # gloo, in a group of their own: an idle server's workers wait in it indefinitely.
         self.cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self._one_shot: torch.Tensor | None = None  # `enable_one_shot`'s buffer
+
+    def enable_one_shot(self, dtype: torch.dtype, hidden: int) -> None:
+        """On GPUs: all-reduce up to `ONE_SHOT_BYTES` (a decode step's activations) through
+        symmetric memory: each rank copies its part into a buffer every peer maps, and reads
+        and sums all of them in one kernel (torch's `symm_mem.one_shot_all_reduce`), in the
+        ranks' order on every rank, so all get the same bits. NCCL's ring costs ~20 us per
+        all-reduce there (measured on two H200s), two of which each layer waits for; larger
+        messages stay on NCCL. Collective: every rank calls it, at the same point; where one
+        cannot (no peer access, or `SWITCHBOARD_TP_ONE_SHOT=0`), none uses it."""
+        if self.device.type != "cuda" or self.size == 1:
+            return
+        buf, why = None, "off (SWITCHBOARD_TP_ONE_SHOT=0)"
+        if os.environ.get("SWITCHBOARD_TP_ONE_SHOT", "1") != "0":
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
+
+                rows = max(1, ONE_SHOT_BYTES // (hidden * torch.finfo(dtype).bits // 8))
+                buf = symm_mem.empty(rows * hidden, dtype=dtype, device=self.device)
+                symm_mem.rendezvous(buf, dist.group.WORLD)
+            except Exception as e:  # noqa: BLE001 - any failure: NCCL alone, on every rank
+                buf, why = None, f"{type(e).__name__}: {e}"
+        if all(self.gather_objects(buf is not None)):
+            self._one_shot = buf
+        elif self.rank == 0:
+            log.info("tensor parallelism: all-reduce through NCCL only (one-shot: %s)", why)
 
     @classmethod
     def join(cls, rank: int, size: int, port: int, device: torch.device) -> TPGroup:
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process")
+        # A failed or timed-out collective aborts the communicators and raises in the step,
+        # instead of ending the process (torch's default): rank 0 reports the rank that died.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=size, timeout=COLLECTIVE_TIMEOUT)
         return cls(rank, size, device)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place."""
+        """`x` summed over the ranks (in place, or a new tensor: use the result)."""
+        buf = self._one_shot
+        if buf is not None and x.numel() <= buf.numel() and x.dtype == buf.dtype:
+            staged = buf[: x.numel()]
+            staged.copy_(x.reshape(-1))
+            out = torch.ops.symm_mem.one_shot_all_reduce(staged, "sum",
+                                                         dist.group.WORLD.group_name)
+            return out.view(x.shape)
         dist.all_reduce(x)
         return x
 
@@ -90,9 +129,27 @@ class TPGroup:
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def abort(self) -> None:
+        """A peer died: end this rank's communicators now, so a collective waiting for the
+        peer on the GPU returns and the step fails, and later ones raise. (On CPUs gloo
+        raises by itself once the peer's sockets close.)"""
+        if self.device.type == "cuda" and dist.is_initialized():
+            dist.distributed_c10d._abort_process_group()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Leave the group (every rank does, about together). Bounded: a teardown stuck on a
+        dead peer is abandoned after `timeout` seconds, logged, so closing never hangs."""
+        if not dist.is_initialized():
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        leaving = threading.Thread(target=dist.destroy_process_group, name="tp-close",
+                                   daemon=True)
+        leaving.start()
+        leaving.join(timeout)
+        if leaving.is_alive():
+            log.error("rank %d: the tensor-parallel group did not close within %.0f s; "
+                      "abandoned", self.rank, timeout)
 
 
 # -- messages from rank 0 ---------------------------------------------------------------------
@@ -122,6 +179,22 @@ class LoadSlot:
     starts: dict[str, int]  # where rank 0 placed it: fused projection -> first pool row
 
 
+@dataclass(frozen=True)
+class KVOffload:
+    """The host KV tier (`SentHostKV`): copy device pages to host pages, each rank its heads."""
+
+    device_pages: list[int]
+    host_pages: list[int]
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """The host KV tier: copy host pages back into device pages, each rank its heads."""
+
+    host_pages: list[int]
+    device_pages: list[int]
+
+
 STOP = "stop"
 
 
@@ -141,6 +214,56 @@ def rank_fingerprint(cfg: ModelConfig, model_dir: Path, model: torch.nn.Module
         "norm": hashlib.sha256(norm.float().cpu().numpy().tobytes()).hexdigest(),
     }
 
+
+
+class SentHostKV:
+    """Rank 0's host KV tier (`engine.kv.tiers.HostKV`): each rank keeps its own heads' share
+    of every host page in its own pool, at the same page ids, and the copies rank 0 queues are
+    sent to the workers in order with the steps, which queue the same copies on their devices.
+
+    Every load is overlapped (`HostKVPool.load`): each rank's forwards wait for each layer's
+    copy before that layer, in a CUDA graph too. Rank 0 cannot see when a worker's copy is
+    done, so no rank may skip a wait; and the ranks must take the same path (graph or eager,
+    whose collectives differ in size), which a load `use`d on one rank only would break."""
+
+    def __init__(self, pool: Any, tp: TPGroup) -> None:  # pool: engine.kv.host.HostKVPool
+        self.pool, self.tp = pool, tp
+        self.num_pages = pool.num_pages
+
+    def offload(self, device_pages: list[int], host_pages: list[int]) -> None:
+        self.pool.offload(device_pages, host_pages)
+        self.tp.send(KVOffload(device_pages, host_pages))
+
+    def load(self, host_pages: list[int], device_pages: list[int], overlap: bool = False) -> Any:
+        handle = self.pool.load(host_pages, device_pages, overlap=True)
+        self.tp.send(KVLoad(host_pages, device_pages))
+        return handle
+
+    def done(self, handle: Any) -> bool:
+        return bool(self.pool.done(handle))
+
+    def use(self, handle: Any) -> None:
+        self.pool.use(handle)  # a no-op: every load is overlapped
+
+    def copy_stats(self) -> Any:
+        return self.pool.copy_stats()
+
+    def snapshot(self, device_pages: list[int]) -> Any:
+        raise NotImplementedError("the disk KV tier does not run with tensor parallelism")
+
+    def host_writes_done(self) -> Any:
+        raise NotImplementedError("the disk KV tier does not run with tensor parallelism")
+
+    def store(self, host_page: int, page: Any) -> None:
+        raise NotImplementedError("the disk KV tier does not run with tensor parallelism")
+
+
+def run_host_kv(pool: Any, msg: KVOffload | KVLoad) -> None:
+    """A worker: queue rank 0's host-tier copy on this rank's pool (`SentHostKV`)."""
+    if isinstance(msg, KVOffload):
+        pool.offload(msg.device_pages, msg.host_pages)
+    else:
+        pool.load(msg.host_pages, msg.device_pages, overlap=True)
 
 
 class SentSlots(LoraSlots):

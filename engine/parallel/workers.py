@@ -25,11 +25,14 @@ from engine.parallel.collectives import (
     COLLECTIVE_TIMEOUT,
     STOP,
     Forward,
+    KVLoad,
+    KVOffload,
     LoadSlot,
     RankDied,
     Setup,
     TPGroup,
     rank_fingerprint,
+    run_host_kv,
 )
 from engine.parallel.partition import Partition
 from engine.runner.loader import load_model
@@ -129,9 +132,12 @@ class Workers:
             if why is None:
                 raise
             raise RankDied(f"{why}; the engine cannot run") from e
+        self.check()  # a step whose collectives were aborted (`_watch`) returned garbage
 
     def close(self) -> None:
-        """Stop the workers (they leave their loops) and leave the group."""
+        """Stop the workers (they free their graphs and leave their loops) and leave the
+        group with them: NCCL's teardown meets the peers', so rank 0 leaves before it waits
+        for the workers to exit."""
         if self._closing:
             return
         self._closing = True
@@ -140,17 +146,21 @@ class Workers:
                 self.tp.send(STOP)
             except Exception:  # noqa: BLE001 - a worker died meanwhile; kill the rest below
                 log.warning("could not tell the tensor-parallel workers to stop")
+        self.tp.close()
         for p in self.procs:
             p.join(10)
             if p.is_alive():
+                log.warning("tensor-parallel worker %s did not exit; killed", p.name)
                 p.kill()
                 p.join()
-        self.tp.close()
 
     def _watch(self) -> None:
+        """A worker that exits while the engine runs: on GPUs, its peers' collectives would
+        wait for it forever, so the group is aborted (`TPGroup.abort`) and the step fails."""
         wait([p.sentinel for p in self.procs])
         if not self._closing:
             log.error("%s; the engine stops serving (not ready)", self.dead())
+            self.tp.abort()
 
 
 def _free_port() -> int:
@@ -194,15 +204,22 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: 
         slots = (LoraSlots(part.local(mc), c.max_loras, c.lora_pool_rows, c.max_lora_rank,
                            dtype, device, part.cut_lora) if c.max_loras else None)
         runner = build_runner(model, c, setup.eos_token_ids, slots, tp)
-        while (msg := tp.recv()) != STOP:
-            if isinstance(msg, Forward):
-                ids = None
-                if msg.fed:
-                    ids = tp.broadcast(torch.empty(msg.fed, dtype=torch.long, device=device))
-                runner.forward(msg.inputs, ids)
-            elif isinstance(msg, LoadSlot):
-                assert slots is not None, "rank 0 loads adapters only with LoRA on"
-                slots.write(msg.slot, msg.adapter, msg.starts)
+        try:
+            while (msg := tp.recv()) != STOP:
+                if isinstance(msg, Forward):
+                    ids = None
+                    if msg.fed:
+                        ids = tp.broadcast(torch.empty(msg.fed, dtype=torch.long,
+                                                       device=device))
+                    runner.forward(msg.inputs, ids)
+                elif isinstance(msg, LoadSlot):
+                    assert slots is not None, "rank 0 loads adapters only with LoRA on"
+                    slots.write(msg.slot, msg.adapter, msg.starts)
+                elif isinstance(msg, KVOffload | KVLoad):
+                    assert runner.host_kv is not None, "rank 0 copies KV only with a host tier"
+                    run_host_kv(runner.host_kv, msg)
+        finally:
+            runner.close()  # the graphs go before the communicator they captured
     finally:
         tp.close()
 

@@ -125,6 +125,12 @@ class GraphSet:
             self.lora.info = None
         torch.cuda.synchronize()
 
+    def release(self) -> None:
+        """Free every captured graph (`ModelRunner.close`)."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def _stage(self) -> dict[str, np.ndarray]:
         """The host side of the static inputs, to fill for the next replay: rewritten only once
         the last copy out of it has run, so staging never races a copy still queued."""

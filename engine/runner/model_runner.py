@@ -113,14 +113,24 @@ class ModelRunner:
                     lora, verify_queries,
                 )
                 self.verify_graphs.capture()
-            # A tensor-parallel step's pieces would hold its collectives: not captured.
-            if piecewise_max_tokens > 0 and tp is None:
+            if piecewise_max_tokens > 0:
                 self.piecewise = PiecewiseGraphs(
                     model, self.kv_caches, self.pad_page * page_size,
                     min(piecewise_max_tokens, PIECEWISE_MAX_TOKENS), cuda_graph_max_batch, lora,
                     self.host_kv.layer_ready if self.host_kv is not None else None,
                 )
                 self.piecewise.capture()
+
+    def close(self) -> None:
+        """Free the CUDA graphs. Under tensor parallelism this comes before the group is
+        destroyed: NCCL waits, in destroying a communicator, for every graph that captured
+        its collectives to be freed."""
+        for graphs in (self.graphs, self.extend_graphs, self.verify_graphs, self.piecewise):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.extend_graphs = self.verify_graphs = self.piecewise = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[tuple[Request, SampleResult]]:
@@ -363,6 +373,8 @@ def build_runner(model: LlamaForCausalLM, cfg: ResolvedConfig, eos_token_ids: li
     """The model runner `cfg` asks for, built the same way by rank 0 (which passes its grammar
     stage) and by every tensor-parallel worker: their graphs, and so the collectives inside
     them, must match."""
+    if tp is not None:
+        tp.enable_one_shot(model.embed_tokens.weight.dtype, model.cfg.hidden_size)
     return ModelRunner(
         model, cfg.num_pages, cfg.page_size, cfg.seed, grammar=grammar,
         lora=wrap_model(model, slots) if slots else None,

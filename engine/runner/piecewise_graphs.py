@@ -23,9 +23,14 @@ capacity, not the step's adapters, sizes the grid), refilled before a replay; a 
 replays the first set. These steps prefill, so their segments are long: SGMV's prefill tiles
 read each adapter tile once per 64 rows, where the decode graphs' `kernels.seg_lora` (16-row
 segments, K split over programs) made a 2,048-token step's LoRA 4-10x slower per projection
-(benchmarks/results/lora_prefill_h200.md). Tensor-parallel models stay eager, as do steps of
-more than `PIECEWISE_MAX_TOKENS` (engine/runner/model_runner.py), whose GPU time dwarfs their
-launches.
+(benchmarks/results/lora_prefill_h200.md). Steps of more than `PIECEWISE_MAX_TOKENS`
+(engine/runner/model_runner.py), whose GPU time dwarfs their launches, stay eager.
+
+Under tensor parallelism the pieces hold the collectives (the all-reduce after o_proj and
+down_proj, the embedding's): every rank captures the same pieces in the same order and replays
+the same ones each step (the choice depends on the step's inputs alone), so the captured
+collectives meet. A row-parallel LoRA's partial shrink adds into the partial output the
+all-reduce sums (`Partition.cut_lora`), so LoRA adds no collective.
 """
 
 from __future__ import annotations
@@ -119,6 +124,13 @@ class PiecewiseGraphs:
                         for i in range(len(self.layers) + 1)]
         self._set_lora(0, False)
         torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Free every captured piece (`ModelRunner.close`)."""
+        for pieces in self.graphs.values():
+            for graph in pieces:
+                graph.reset()
+        self.graphs.clear()
 
     def run(
         self,
