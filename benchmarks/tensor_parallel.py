@@ -9,7 +9,8 @@ earlier file so that parts run in separate calls add up) and a markdown table be
              for that batch. `tp{N}_decode_tok_s`, `tp{N}_step_ms`, `tp{N}_vs_tp1_b{batch}`,
              and on GPUs `tp{N}_roofline_fraction`: (one rank's weight bytes + its KV bytes of
              the batch's context) ÷ the device's copy bandwidth ÷ the step time; for N > 1
-             also with every all-reduce on NCCL (`tp{N}_nccl_decode_tok_s`).
+             also with the one-shot all-reduce (`tp{N}_one_shot_decode_tok_s`) and where
+             rank 0's time goes over 8 steps (`tp{N}_profile_8_steps`: wall, GPU kernels).
   allreduce  per size N > 1: what one decode step's collectives cost alone (the model's
              all-reduces of [batch, hidden] and its logits' all-gather, captured in a CUDA
              graph as the decode graphs hold them), through NCCL alone and with the one-shot
@@ -67,6 +68,7 @@ def decode(args: argparse.Namespace, size: int, model: str, batch: int, context:
         decode_round,
         greedy,
         kv_bytes_per_token,
+        profile,
         random_prompts,
         weight_bytes,
         write_adapter,
@@ -93,6 +95,16 @@ def decode(args: argparse.Namespace, size: int, model: str, batch: int, context:
                                 steps=args.steps)
             out.update(lora_decode_tok_s=round(lora.tok_s, 1),
                        lora_vs_base=round(lora.tok_s / r.tok_s, 3))
+        if args.device == "cuda" and size > 1 and not adapters:
+            # Where a step's time goes on rank 0: its GPU's kernels against the wall.
+            for i, p in enumerate(prompts):
+                eng.add_request(f"p{i}", p, greedy(64))
+            while eng.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1
+                                         for r in eng.scheduler.running):
+                eng.step()
+            out["profile_8_steps"] = profile(lambda: [eng.step() for _ in range(8)], top=8)
+            for i in range(len(prompts)):
+                eng.abort_request(f"p{i}")
         if args.device == "cuda":
             itemsize = eng.model.embed_tokens.weight.element_size()
             kv = kv_bytes_per_token(eng.model.local_cfg, itemsize)
@@ -127,6 +139,7 @@ def _collectives(rank: int, size: int, port: int, shape: tuple[int, int, int, in
     out = {}
     for name in ("nccl", "one_shot"):
         if name == "one_shot":
+            os.environ["SWITCHBOARD_TP_ONE_SHOT"] = "1"
             tp.enable_one_shot(torch.bfloat16, hidden)
             if tp._one_shot is None:
                 continue
@@ -231,10 +244,10 @@ def one(args: argparse.Namespace) -> dict:
     size = args.size
     if args.one == "decode":
         return decode(args, size, args.model, args.batch, args.context)
-    if args.one == "decode_nccl":  # the same with every all-reduce on NCCL
-        os.environ["SWITCHBOARD_TP_ONE_SHOT"] = "0"
+    if args.one == "decode_one_shot":  # the same with the one-shot all-reduce
+        os.environ["SWITCHBOARD_TP_ONE_SHOT"] = "1"
         r = decode(args, size, args.model, args.batch, args.context)
-        return {"nccl_decode_tok_s": r["decode_tok_s"], "nccl_step_ms": r["step_ms"]}
+        return {"one_shot_decode_tok_s": r["decode_tok_s"], "one_shot_step_ms": r["step_ms"]}
     if args.one == "roofline70b":
         r = decode(args, size, "synthetic:llama3-70b", 64, 1024)
         return {"roofline_70b_b64": r.get("roofline_fraction"), "step_ms_70b_b64": r["step_ms"],
@@ -254,7 +267,7 @@ def runs(args: argparse.Namespace) -> list[tuple[str, int]]:
     for part in args.parts.split(","):
         if part == "decode":
             todo += [("decode", s) for s in args.sizes]
-            todo += [("decode_nccl", s) for s in args.sizes if s > 1]
+            todo += [("decode_one_shot", s) for s in args.sizes if s > 1]
         elif part == "allreduce":
             todo += [("allreduce", s) for s in args.sizes if s > 1]
         elif part == "roofline70b":

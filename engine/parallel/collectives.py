@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank stuck this long fails the step
 IDLE_TIMEOUT = timedelta(days=365)  # workers wait for rank 0's next message this long
-ONE_SHOT_BYTES = 1 << 20  # all-reduces up to this size go through symmetric memory on GPUs
+ONE_SHOT_BYTES = 1 << 20  # with the one-shot all-reduce on: messages up to this size use it
 
 
 class RankDied(RuntimeError):
@@ -55,17 +55,19 @@ class TPGroup:
         self._one_shot: torch.Tensor | None = None  # `enable_one_shot`'s buffer
 
     def enable_one_shot(self, dtype: torch.dtype, hidden: int) -> None:
-        """On GPUs: all-reduce up to `ONE_SHOT_BYTES` (a decode step's activations) through
-        symmetric memory: each rank copies its part into a buffer every peer maps, and reads
-        and sums all of them in one kernel (torch's `symm_mem.one_shot_all_reduce`), in the
-        ranks' order on every rank, so all get the same bits. NCCL's ring costs ~20 us per
-        all-reduce there (measured on two H200s), two of which each layer waits for; larger
-        messages stay on NCCL. Collective: every rank calls it, at the same point; where one
-        cannot (no peer access, or `SWITCHBOARD_TP_ONE_SHOT=0`), none uses it."""
+        """With `SWITCHBOARD_TP_ONE_SHOT=1`, on GPUs: all-reduce up to `ONE_SHOT_BYTES` (a
+        decode step's activations) through symmetric memory: each rank copies its part into
+        a buffer every peer maps and reads and sums all of them in one kernel (torch's
+        `symm_mem.one_shot_all_reduce`), in the ranks' order on every rank, so all get the
+        same bits. Off by default: a step's collectives alone take half NCCL's time (0.74 vs
+        1.45 ms for an 8B model's at batch 64 on two H200s) but the decode step gains only
+        1.5% (benchmarks/results/h200_tp.md), and a second engine made in the same process
+        after the first closed hung in its rendezvous. Collective: every rank calls it at the
+        same point; where one cannot, none uses it."""
         if self.device.type != "cuda" or self.size == 1:
             return
-        buf, why = None, "off (SWITCHBOARD_TP_ONE_SHOT=0)"
-        if os.environ.get("SWITCHBOARD_TP_ONE_SHOT", "1") != "0":
+        buf, why = None, "off (SWITCHBOARD_TP_ONE_SHOT=1 turns it on)"
+        if os.environ.get("SWITCHBOARD_TP_ONE_SHOT", "0") == "1":
             try:
                 import torch.distributed._symmetric_memory as symm_mem
 
@@ -77,7 +79,7 @@ class TPGroup:
         if all(self.gather_objects(buf is not None)):
             self._one_shot = buf
         elif self.rank == 0:
-            log.info("tensor parallelism: all-reduce through NCCL only (one-shot: %s)", why)
+            log.info("tensor parallelism: all-reduce through NCCL (one-shot: %s)", why)
 
     @classmethod
     def join(cls, rank: int, size: int, port: int, device: torch.device) -> TPGroup:
