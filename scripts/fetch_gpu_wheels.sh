@@ -19,6 +19,8 @@ PACKAGES=(
   gguf redis
   fastapi starlette opentelemetry-api uvicorn uvloop httptools orjson python-multipart pydantic pydantic-core annotated-types
   typing-inspection typing-extensions
+  # The GPU tests' client: the openai SDK (tests/test_tensor_parallel_gpu.py).
+  openai jiter distro sniffio httpx2 httpcore2 truststore
 )
 
 PLATFORMS=()

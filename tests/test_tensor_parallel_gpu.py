@@ -112,7 +112,9 @@ def test_a_dead_rank_fails_the_step_on_gpus(tmp_path):
     assert closed_within(llm, 60)
 
 
-def test_serve_two_gpus_answers_the_openai_sdk_and_drains(tmp_path):
+def test_serve_two_gpus_answers_the_openai_sdk_and_drains(tiny, tmp_path):
+    from pathlib import Path
+
     from openai import OpenAI
 
     from tests.conftest import serve
@@ -121,7 +123,7 @@ def test_serve_two_gpus_answers_the_openai_sdk_and_drains(tmp_path):
                "required": ["city"], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
     with serve(tmp_path, "--device", "cuda", "--dtype", "bfloat16",
-               "--tensor-parallel-size", "2") as server:
+               "--tensor-parallel-size", "2", model=Path(tiny[0])) as server:
         client = OpenAI(base_url=server.base_url, api_key=server.api_key)
         chunks = client.chat.completions.create(
             model=server.model, messages=[{"role": "user", "content": "Say hello."}],
