@@ -24,6 +24,7 @@ from engine.core.steps import STEP_KINDS, OverlapStep, StepMode, StepParts, Sync
 from engine.kv.disk import DiskKV, fingerprint
 from engine.kv.page_allocator import PageAllocator
 from engine.kv.prefix_cache import PrefixCache
+from engine.kv.tiers import HostKV
 from engine.messages import RequestOutput
 from engine.parallel.collectives import SentHostKV, SentSlots, rank_fingerprint
 from engine.parallel.partition import Partition
@@ -128,7 +129,7 @@ class LLMEngine:
         if speculator is not None and cfg.overlap_schedule:
             # The overlapped speculative loop's kernels compile now, not in its first step.
             spec_decode.warm_up(device, speculator.k, cfg.page_size)
-        host = self.runner.host_kv
+        host: HostKV | None = self.runner.host_kv
         if host is not None and tp is not None:
             host = SentHostKV(host, tp)  # the workers copy their heads' share of each page
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,

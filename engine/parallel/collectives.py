@@ -73,7 +73,7 @@ class TPGroup:
 
                 rows = max(1, ONE_SHOT_BYTES // (hidden * torch.finfo(dtype).bits // 8))
                 buf = symm_mem.empty(rows * hidden, dtype=dtype, device=self.device)
-                symm_mem.rendezvous(buf, dist.group.WORLD)
+                symm_mem.rendezvous(buf, self._world_name())
             except Exception as e:  # noqa: BLE001 - any failure: NCCL alone, on every rank
                 buf, why = None, f"{type(e).__name__}: {e}"
         if all(self.gather_objects(buf is not None)):
@@ -93,14 +93,19 @@ class TPGroup:
                                 world_size=size, timeout=COLLECTIVE_TIMEOUT)
         return cls(rank, size, device)
 
+    @staticmethod
+    def _world_name() -> Any:
+        world = dist.group.WORLD
+        assert world is not None, "joined"
+        return world.group_name
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the ranks (in place, or a new tensor: use the result)."""
         buf = self._one_shot
         if buf is not None and x.numel() <= buf.numel() and x.dtype == buf.dtype:
             staged = buf[: x.numel()]
             staged.copy_(x.reshape(-1))
-            out = torch.ops.symm_mem.one_shot_all_reduce(staged, "sum",
-                                                         dist.group.WORLD.group_name)
+            out = torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self._world_name())
             return out.view(x.shape)
         dist.all_reduce(x)
         return x
