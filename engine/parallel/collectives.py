@@ -10,9 +10,9 @@ loaded into a slot on rank 0 are sent to the workers in the same order, before a
 uses them.
 
 Collectives go through `torch.distributed` (NCCL between GPUs, gloo on CPUs); messages through
-a gloo group. A worker that dies is noticed at once (`engine.parallel.workers.Workers`): the engine
-logs it and refuses every later step (`RankDied`), so a server goes not-ready instead of
-hanging.
+shared memory (`engine.parallel.channel`). A worker that dies is noticed at once
+(`engine.parallel.workers.Workers`): the engine logs it and refuses every later step
+(`RankDied`), so a server goes not-ready instead of hanging.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig, ResolvedConfig
+from engine.parallel.channel import ShmChannel
 from lora.adapter import LoraAdapter
 from lora.slots import LoraSlots, PackedAdapter
 
@@ -49,10 +50,16 @@ class TPGroup:
 
     def __init__(self, rank: int, size: int, device: torch.device) -> None:
         self.rank, self.size, self.device = rank, size, device
-        # Tensors go through the default group (NCCL on GPUs); messages (pickled objects) over
-        # gloo, in a group of their own: an idle server's workers wait in it indefinitely.
+        # Tensors go through the default group (NCCL on GPUs); rank 0's messages through
+        # shared memory (`ShmChannel`), whose name goes over a gloo group of their own (as do
+        # the start-up's `gather_objects`).
         self.cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._one_shot: torch.Tensor | None = None  # `enable_one_shot`'s buffer
+        self._aborted = False
+        channel = ShmChannel.create(size - 1) if rank == 0 else None
+        box = [channel.name if channel else ""]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        self.channel = channel or ShmChannel.attach(str(box[0]), size - 1, rank - 1)
 
     def enable_one_shot(self, dtype: torch.dtype, hidden: int) -> None:
         """With `SWITCHBOARD_TP_ONE_SHOT=1`, on GPUs: all-reduce up to `ONE_SHOT_BYTES` (a
@@ -117,14 +124,15 @@ class TPGroup:
         return torch.cat(parts, dim=1)
 
     def send(self, message: Any) -> None:
-        """Rank 0: broadcast a message (any picklable object) to the workers."""
-        dist.broadcast_object_list([message], src=0, group=self.cpu_group)
+        """Rank 0: send a message (any picklable object) to every worker, in order. Returns
+        at once unless the workers are several messages behind; raises ChannelClosed once
+        the group is aborted while it waits for them."""
+        self.channel.send(message, alive=lambda: not self._aborted,
+                          timeout=COLLECTIVE_TIMEOUT.total_seconds())
 
     def recv(self) -> Any:
         """A worker: the next message rank 0 sends."""
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
+        return self.channel.recv()
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank (in place; no host sync on GPUs)."""
@@ -139,13 +147,16 @@ class TPGroup:
     def abort(self) -> None:
         """A peer died: end this rank's communicators now, so a collective waiting for the
         peer on the GPU returns and the step fails, and later ones raise. (On CPUs gloo
-        raises by itself once the peer's sockets close.)"""
+        raises by itself once the peer's sockets close.) A `send` waiting for the workers
+        to read gives up."""
+        self._aborted = True
         if self.device.type == "cuda" and dist.is_initialized():
             dist.distributed_c10d._abort_process_group()
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the group (every rank does, about together). Bounded: a teardown stuck on a
         dead peer is abandoned after `timeout` seconds, logged, so closing never hangs."""
+        self.channel.close()
         if not dist.is_initialized():
             return
         if self.device.type == "cuda":
