@@ -35,6 +35,8 @@ BESIDE_REF = frozenset(
 APPLICATORS = ("allOf", "anyOf", "oneOf")  # keywords whose members llguidance intersects
 MAX_INLINE_DEPTH = 8  # targets `ref_cycles` inlines into one another
 MAX_ONE_OF_TERMS = 32  # branches `disjoint_one_of` may write for one `oneOf`
+DEPENDENCY_KEYS = ("dependencies", "dependentRequired", "dependentSchemas")
+MAX_DEPENDENCIES = 4  # `dependencies_as_any_of` writes at most this many per object
 
 
 def ascii_digits(regex: str) -> str:
@@ -117,6 +119,43 @@ def _required_only(branch: object) -> list[str] | None:
     if not isinstance(req, list) or not req or not all(isinstance(k, str) for k in req):
         return None
     return req
+
+
+def dependencies_as_any_of(node: dict[str, object], live: frozenset[str]) -> dict[str, object]:
+    """`node` with its dependencies (the keywords of `DEPENDENCY_KEYS` that its draft defines,
+    `live`) written as what llguidance reads: "with A present, B and C are" is `anyOf` [A
+    absent (`properties: {A: false}`), `required` [A, B, C]], and "with A present, the object
+    matches S" is `anyOf` [A absent, `allOf` [`required` [A], S]], one per dependency, added
+    to `allOf`. Exact. llguidance has no dependencies: the strict mode refused such schemas
+    and the relaxed mode dropped them, letting any object through. Left as they are: objects
+    with more than MAX_DEPENDENCIES (their `anyOf`s multiply out) and those beside a `$ref`."""
+    found = [k for k in DEPENDENCY_KEYS if k in live and isinstance(node.get(k), dict)]
+    if not found or "$ref" in node or not isinstance(node.get("allOf", []), list):
+        return node
+    terms: list[object] = []
+    for key in found:
+        deps = node[key]
+        assert isinstance(deps, dict)
+        for name, dep in deps.items():
+            absent = {"properties": {name: False}}
+            if isinstance(dep, str):  # draft 3: one property
+                dep = [dep]
+            if dep is True or dep == {} or dep == []:
+                continue
+            if dep is False:
+                terms.append(absent)
+            elif isinstance(dep, list):
+                terms.append({"anyOf": [absent, {"required": [name, *dep]}]})
+            elif isinstance(dep, dict):
+                terms.append({"anyOf": [absent, {"allOf": [{"required": [name]}, dep]}]})
+            else:
+                return node
+    if len(terms) > MAX_DEPENDENCIES:
+        return node
+    out = {k: v for k, v in node.items() if k not in found}
+    if terms:
+        out["allOf"] = [*node.get("allOf", []), *terms]  # type: ignore[misc]
+    return out
 
 
 def merge_patterns(patterns: dict[str, object], overlaps: tuple[str, ...]) -> dict[str, object]:
@@ -331,13 +370,16 @@ def rewrite_schema(
     """`node` with ECMA `pattern`s, without the keywords `drop_keys` and without the
     `"format"`s named in `drop_formats`, in every subschema; the `patternProperties` that
     `overlaps` names merged (`merge_patterns`); with `cycles`, no keyword intersecting a
-    `$ref` into a cycle (`ref_cycles`)."""
+    `$ref` into a cycle (`ref_cycles`); dependencies as `anyOf`s (`dependencies_as_any_of`)."""
+    cls = jsonschema.validators.validator_for(node, default=jsonschema.Draft202012Validator)
+    live = frozenset(DEPENDENCY_KEYS) & cls.VALIDATORS.keys()
 
     def walk(x: object) -> object:
         if isinstance(x, list):
             return [walk(v) for v in x]
         if not isinstance(x, dict):
             return x
+        x = dependencies_as_any_of(x, live)
         out: dict[str, object] = {}
         for k, v in x.items():
             if k in drop_keys or (k == "format" and isinstance(v, str) and v in drop_formats):

@@ -19,6 +19,7 @@ from grammar.compiler import GrammarCompiler
 from grammar.rewrite import (
     _cyclic_refs,
     _resolve,
+    dependencies_as_any_of,
     disjoint_one_of,
     merge_patterns,
     ref_cycles,
@@ -258,6 +259,83 @@ def test_ref_cycles_of_dev_cases(backends, name: str):
     schema = case(name)["schema"]
     _, rewrite = backends["llguidance"].compile_schemas(parse_structured_outputs({"json": schema}))
     assert rewrite.keywords["cycles"]
+
+
+# -- dependencies --------------------------------------------------------------------------
+
+DEPENDENT = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "properties": {"card": {"type": "string"}, "billing": {"type": "string"},
+                   "vip": {"type": "boolean"}, "level": {"type": "integer"}},
+    "dependencies": {"card": ["billing"], "vip": {"required": ["level"],
+                                                  "properties": {"level": {"minimum": 3}}}},
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_dependencies_become_any_ofs_only_where_their_draft_defines_them():
+    out = rewrite_schema(DEPENDENT)
+    assert isinstance(out, dict) and "dependencies" not in out
+    assert out["allOf"][0] == {"anyOf": [{"properties": {"card": False}},
+                                         {"required": ["card", "billing"]}]}  # fmt: skip
+    later = {**DEPENDENT, "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    assert rewrite_schema(later) == later  # an unknown keyword there: it asserts nothing
+    current = {"type": "object", "dependentRequired": {"a": ["b"]}}
+    assert rewrite_schema(current)["allOf"] == [  # type: ignore[index]
+        {"anyOf": [{"properties": {"a": False}}, {"required": ["a", "b"]}]}]
+    many = {"dependentRequired": {str(i): ["x"] for i in range(5)}}
+    assert dependencies_as_any_of(many, frozenset({"dependentRequired"})) == many
+
+
+def test_dependencies_are_enforced_by_strict_llguidance(backends, tokenizer):
+    llg = backends["llguidance"]
+    for value, ok in [
+        ({"card": "4111", "billing": "x"}, True),
+        ({"billing": "x"}, True),
+        ({"card": "4111"}, False),  # card without billing
+        ({"vip": True, "level": 5}, True),
+        ({"vip": True}, False),  # vip without level
+        ({"vip": True, "level": 1}, False),  # its schema's minimum
+        ({"level": 1}, True),  # no vip: no minimum
+    ]:
+        assert valid(DEPENDENT, value) is ok, value
+        assert grammar_accepts(llg, tokenizer, DEPENDENT, value) is ok, value
+
+
+@needs_dev
+def test_dependencies_rewrite_keeps_every_dev_instances_verdict():
+    changed = 0
+    for path in sorted(MASKBENCH.glob("*.json")):
+        text = path.read_text()
+        if not any(f'"{k}"' in text for k in ("dependencies", "dependentRequired",
+                                              "dependentSchemas")):
+            continue
+        data = json.loads(text)
+        schema = data["schema"]
+        rewritten = rewrite_schema(schema)
+        if json.dumps(rewritten).count('"dependen') == json.dumps(schema).count('"dependen'):
+            continue
+        changed += 1
+        rewritten = _no_false_subschemas(rewritten)
+        for k, test in enumerate(data["tests"]):
+            assert valid(rewritten, test["data"]) == valid(schema, test["data"]), \
+                f"{path.stem} #{k}"
+    assert changed >= 3
+
+
+def _no_false_subschemas(x: object) -> object:
+    """`x` with `properties: {A: false}` written `{A: {"not": {}}}` (drafts 4 and 3 have no
+    boolean schemas; the rewrite writes them for llguidance)."""
+    if isinstance(x, list):
+        return [_no_false_subschemas(v) for v in x]
+    if not isinstance(x, dict):
+        return x
+    out = {k: _no_false_subschemas(v) for k, v in x.items()}
+    props = out.get("properties")
+    if isinstance(props, dict):
+        out["properties"] = {n: {"not": {}} if v is False else v for n, v in props.items()}
+    return out
 
 
 # -- the property test ---------------------------------------------------------------------
