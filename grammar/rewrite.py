@@ -32,6 +32,8 @@ BESIDE_REF = frozenset(
     {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
      "writeOnly", "$schema", "$id", "id", "$anchor", "definitions", "$defs"}
 )  # fmt: skip
+LEGACY_DRAFTS = (jsonschema.Draft3Validator, jsonschema.Draft4Validator,
+                 jsonschema.Draft6Validator, jsonschema.Draft7Validator)  # `$ref` hides siblings
 APPLICATORS = ("allOf", "anyOf", "oneOf")  # keywords whose members llguidance intersects
 MAX_INLINE_DEPTH = 8  # targets `ref_cycles` inlines into one another
 MAX_ONE_OF_TERMS = 32  # branches `disjoint_one_of` may write for one `oneOf`
@@ -210,8 +212,7 @@ def ref_cycles(root: object) -> object:
     if not cyclic or _has_nested_id(root):
         return root
     cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
-    legacy = cls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator,
-                     jsonschema.Draft6Validator, jsonschema.Draft7Validator)  # fmt: skip
+    legacy = cls in LEGACY_DRAFTS
     defs: dict[str, object] = {}
     names: dict[str, str] = {}  # a node as JSON -> its definition's name
 
@@ -370,15 +371,20 @@ def rewrite_schema(
     """`node` with ECMA `pattern`s, without the keywords `drop_keys` and without the
     `"format"`s named in `drop_formats`, in every subschema; the `patternProperties` that
     `overlaps` names merged (`merge_patterns`); with `cycles`, no keyword intersecting a
-    `$ref` into a cycle (`ref_cycles`); dependencies as `anyOf`s (`dependencies_as_any_of`)."""
+    `$ref` into a cycle (`ref_cycles`); dependencies as `anyOf`s (`dependencies_as_any_of`);
+    up to draft 7, without the keywords beside a `$ref` (that draft ignores them)."""
     cls = jsonschema.validators.validator_for(node, default=jsonschema.Draft202012Validator)
     live = frozenset(DEPENDENCY_KEYS) & cls.VALIDATORS.keys()
+    legacy = cls in LEGACY_DRAFTS
 
     def walk(x: object) -> object:
         if isinstance(x, list):
             return [walk(v) for v in x]
         if not isinstance(x, dict):
             return x
+        if legacy and isinstance(x.get("$ref"), str):
+            # Up to draft 7 a `$ref`'s siblings are ignored; llguidance would apply them.
+            x = {k: v for k, v in x.items() if k == "$ref" or k in BESIDE_REF}
         x = dependencies_as_any_of(x, live)
         out: dict[str, object] = {}
         for k, v in x.items():

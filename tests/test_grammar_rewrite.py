@@ -261,6 +261,20 @@ def test_ref_cycles_of_dev_cases(backends, name: str):
     assert rewrite.keywords["cycles"]
 
 
+def test_keywords_beside_a_ref_count_from_draft_2019_on(backends, tokenizer):
+    """Up to draft 7 a `$ref` makes its siblings ignored (jsonschema agrees); llguidance
+    applied them, refusing valid documents (Github_hard---o13693, drupal-libraries)."""
+    llg = backends["llguidance"]
+    defs = {"a": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+    for draft, ok in [("http://json-schema.org/draft-07/schema#", True),
+                      ("https://json-schema.org/draft/2019-09/schema", False)]:
+        schema = {"$schema": draft, "definitions": defs, "$defs": defs,
+                  "properties": {"p": {"$ref": "#/definitions/a", "required": ["x"]}}}
+        for value, want in [({"p": {}}, ok), ({"p": {"x": 1}}, True), ({"p": {"x": "s"}}, False)]:
+            assert valid(schema, value) is want, (draft, value)
+            assert grammar_accepts(llg, tokenizer, schema, value) is want, (draft, value)
+
+
 # -- dependencies --------------------------------------------------------------------------
 
 DEPENDENT = {
