@@ -16,10 +16,9 @@ import jsonschema
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.parallel.collectives import RankDied
+from engine import LLM
 from tests.test_prefix_cache_model import run
-from tests.test_tensor_parallel import PROMPTS, SCHEMA, _jobs
+from tests.test_tensor_parallel import PROMPTS, SCHEMA, _jobs, kill_rank_1_mid_generation
 from tests.tiny_models import random_peft_adapter
 
 pytestmark = [
@@ -97,18 +96,9 @@ def test_two_gpus_give_one_gpus_tokens(tiny):
 def test_a_dead_rank_fails_the_step_on_gpus(tmp_path):
     llm = LLM(model="synthetic:tiny", cache_dir=tmp_path, device="cuda", dtype="bfloat16",
               tensor_parallel_size=2, num_pages=64, max_loras=0)
-    worker = llm.engine.workers.procs[0]
-    llm.generate(["warm up"], SamplingParams(max_tokens=2))
-    for rid in range(4):
-        llm.engine.add_request(f"r{rid}", [10 + rid] * 8,
-                               SamplingParams(max_tokens=900, ignore_eos=True))
-    llm.engine.step()
-    os.kill(worker.pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(RankDied, match="rank 1"):
-        while True:
-            llm.engine.step()
-    assert time.monotonic() - start < 30
+    _, seconds, error = kill_rank_1_mid_generation(llm, max_tokens=900)
+    assert "rank 1" in str(error)
+    assert seconds < 30
     assert closed_within(llm, 60)
 
 
