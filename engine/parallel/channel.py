@@ -92,17 +92,16 @@ class ShmChannel:
         ChannelClosed once `alive()` is false or `timeout` seconds passed."""
         assert self.reader is None, "readers do not send"
         data = memoryview(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-        first = True
-        while first or len(data):
-            first = False
-            part, data = data[: self.slot_bytes], data[self.slot_bytes:]
+        for offset in range(0, len(data), self.slot_bytes):  # a pickle is never empty
+            part = data[offset: offset + self.slot_bytes]
             n = self._count
             slot = n % self.slots
             if n >= self.slots:
                 self._wait_free(n - self.slots + 1, alive, timeout)
             start = slot * self.slot_bytes
             self._data[start: start + len(part)] = part
-            self._len[slot] = -len(part) if len(data) else len(part)
+            more = offset + len(part) < len(data)
+            self._len[slot] = -len(part) if more else len(part)
             _fence()
             self._seq[slot] = n + 1
             self._count = n + 1

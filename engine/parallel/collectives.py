@@ -37,7 +37,7 @@ from lora.slots import LoraSlots, PackedAdapter
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank stuck this long fails the step
-IDLE_TIMEOUT = timedelta(days=365)  # workers wait for rank 0's next message this long
+IDLE_TIMEOUT = timedelta(days=365)  # gloo's start-up exchanges: a rank may load for long
 ONE_SHOT_BYTES = 1 << 20  # with the one-shot all-reduce on: messages up to this size use it
 
 
@@ -66,10 +66,11 @@ class TPGroup:
         decode step's activations) through symmetric memory: each rank copies its part into
         a buffer every peer maps and reads and sums all of them in one kernel (torch's
         `symm_mem.one_shot_all_reduce`), in the ranks' order on every rank, so all get the
-        same bits. Off by default: a step's collectives alone take half NCCL's time (0.74 vs
-        1.45 ms for an 8B model's at batch 64 on two H200s) but the decode step gains only
-        1.5% (benchmarks/results/h200_tp.md), and a second engine made in the same process
-        after the first closed hung in its rendezvous. Collective: every rank calls it at the
+        same bits. Off by default: a step's collectives alone, in a graph, take half NCCL's
+        time (0.74 vs 1.45 ms for an 8B model's at batch 64 on two H200s), but inside the
+        decode step its kernels take as long as NCCL's (0.64 vs 0.65 ms a step: +1.5%,
+        benchmarks/results/h200_tp.md), and a second engine made in the same process after
+        the first closed hung in its rendezvous. Collective: every rank calls it at the
         same point; where one cannot, none uses it."""
         if self.device.type != "cuda" or self.size == 1:
             return
