@@ -229,9 +229,6 @@ class EngineConfig(BaseModel):
             raise ValueError("max_cpu_loras must be >= max_loras")
         if self.kv_disk_dir is not None and not (self.host_kv_gb or self.host_kv_pages):
             raise ValueError("kv_disk_dir needs a host tier (host_kv_gb or host_kv_pages)")
-        if self.tensor_parallel_size > 1 and self.kv_disk_dir is not None:
-            raise ValueError("the disk KV tier (kv_disk_dir) does not yet run with "
-                             "tensor_parallel_size > 1; the host tier does")
         return self
 
     def settle_device(self, cuda: bool, checkpoint_dtype: str | None) -> tuple[EngineConfig,

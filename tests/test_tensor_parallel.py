@@ -113,11 +113,6 @@ def test_a_rank_reads_only_its_slices_of_a_checkpoint(tmp_path):
             assert torch.equal(t, cut_fused(name, whole[name], part, cfg)), (rank, name)
 
 
-def test_config_refuses_the_disk_tier_with_tensor_parallelism(tmp_path):
-    with pytest.raises(ValueError, match="disk KV tier"):
-        EngineConfig(tensor_parallel_size=2, host_kv_gb=1.0, kv_disk_dir=tmp_path)
-
-
 def test_two_ranks_load_a_prefix_back_from_the_host_tier(smollm2_dir, smollm2):
     """Each rank keeps its KV heads' share of every host page: a prefix evicted to the host
     tier and loaded back gives the cold run's tokens, and one rank's."""

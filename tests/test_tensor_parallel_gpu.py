@@ -1,8 +1,8 @@
 """Tensor parallelism on two GPUs (NCCL), everything on: CUDA graphs and piecewise graphs
 capturing the collectives, the overlapped schedule, LoRA, a JSON schema, the prefix cache and
-its host tier. Two ranks give one rank's tokens in float32; a server with two ranks answers
-the openai SDK and drains on SIGTERM; a rank that dies fails the step, and closing an engine
-returns. Marked `gpu`; skipped with fewer than two GPUs."""
+its host and disk tiers. Two ranks give one rank's tokens in float32; a server with two ranks
+answers the openai SDK and drains on SIGTERM; a rank that dies fails the step, and closing an
+engine returns. Marked `gpu`; skipped with fewer than two GPUs."""
 
 from __future__ import annotations
 
@@ -91,6 +91,24 @@ def test_two_gpus_give_one_gpus_tokens(tiny):
     assert results[2] == results[1]
     by_adapter = results[1][0]
     assert by_adapter[0] != by_adapter[2] or by_adapter[3] != by_adapter[5]  # LoRA is in play
+
+
+def test_two_gpus_resume_a_session_from_their_page_files(tiny, tmp_path):
+    """The disk tier at two ranks: a session's pages written by one pair of ranks, each its
+    share, and read back by a restarted pair give the cold run's tokens."""
+    kw = dict(model=tiny[0], device="cuda", dtype="float32", tensor_parallel_size=2,
+              num_pages=128, host_kv_pages=64, max_loras=0, kv_disk_dir=tmp_path)
+    llm = LLM(**kw)
+    prompt = llm.tokenizer.encode(PROMPTS[0] * 12)
+    reply, _ = run(llm.engine, prompt, session="S")
+    turn = prompt + reply + llm.tokenizer.encode(" And then?")
+    cold, _ = run(llm.engine, turn, tenant="cold")
+    assert closed_within(llm, 60)
+    llm = LLM(**kw)
+    tokens, cached = run(llm.engine, turn, session="S2")
+    assert tokens == cold and cached >= len(prompt) - 16
+    assert llm.engine.prefix_cache.stats().disk_hit_tokens >= len(prompt) - 16
+    assert closed_within(llm, 60)
 
 
 def test_a_dead_rank_fails_the_step_on_gpus(tmp_path):

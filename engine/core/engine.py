@@ -21,12 +21,13 @@ from engine.core.reasoning import ReasoningFormat
 from engine.core.request import Request
 from engine.core.scheduler import Batch, Scheduler
 from engine.core.steps import STEP_KINDS, OverlapStep, StepMode, StepParts, SyncStep
-from engine.kv.disk import DiskKV, fingerprint
+from engine.kv.disk import DiskKV, disk_tier
 from engine.kv.page_allocator import PageAllocator
 from engine.kv.prefix_cache import PrefixCache
 from engine.kv.tiers import HostKV
 from engine.messages import RequestOutput
 from engine.parallel.collectives import SentHostKV, SentSlots, rank_fingerprint
+from engine.parallel.disk import DiskPeers
 from engine.parallel.partition import Partition
 from engine.parallel.workers import Workers
 from engine.runner.loader import load_model, resolve_model_dir
@@ -133,7 +134,7 @@ class LLMEngine:
         if host is not None and tp is not None:
             host = SentHostKV(host, tp)  # the workers copy their heads' share of each page
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache,
-                                        cfg.session_kv_pages, host, self._disk_tier(cfg, dtype))
+                                        cfg.session_kv_pages, host, self._disk_tier(cfg))
         self.scheduler = Scheduler(
             self.allocator,
             cfg.page_size,
@@ -160,16 +161,15 @@ class LLMEngine:
         self.step_times: dict[str, list[float]] = {k: [0, 0.0] for k in STEP_KINDS}
         self._kind: str | None = None  # the running step's, set by `_step`
 
-    def _disk_tier(self, cfg: ResolvedConfig, dtype: torch.dtype) -> DiskKV | None:
-        if cfg.kv_disk_dir is None or self.runner.host_kv is None:
+    def _disk_tier(self, cfg: ResolvedConfig) -> DiskKV | None:
+        host = self.runner.host_kv
+        if host is None:
             return None
-        mc = self.model_config
-        shape = (mc.num_layers, 2, cfg.page_size, mc.num_kv_heads, mc.head_dim)
-        model = {**dataclasses.asdict(mc), "path": str(self.model_dir)}
-        cap = int(cfg.kv_disk_gb * 2**30) if cfg.kv_disk_gb else None
-        per_tenant = int(cfg.kv_disk_tenant_gb * 2**30)
-        return DiskKV(cfg.kv_disk_dir, fingerprint(model, cfg.dtype, shape), shape, dtype, cap,
-                      per_tenant)
+        size = self.workers.tp.size if self.workers else 1
+        disk = disk_tier(cfg, self.model_config, self.model_dir, host.pool.shape, 0, size)
+        if disk is not None and self.workers is not None:
+            disk.peers = DiskPeers(self.workers.tp, self.workers.answers)
+        return disk
 
     @property
     def speculator(self) -> Speculator | None:
@@ -245,8 +245,11 @@ class LLMEngine:
         return self.workers.dead() if self.workers is not None else None
 
     def close(self) -> None:
-        """Free the CUDA graphs and stop the tensor-parallel workers; the engine cannot step
-        afterwards."""
+        """Free the CUDA graphs and stop the tensor-parallel workers (each after its queued
+        KV page files are written); the engine cannot step afterwards."""
+        cache = getattr(self, "prefix_cache", None)
+        if cache is not None and cache.tiers is not None and cache.tiers.disk is not None:
+            cache.tiers.disk.flush()
         runner = getattr(self, "runner", None)  # None too if __init__ failed before it
         if runner is not None:
             runner.close()

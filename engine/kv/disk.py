@@ -20,10 +20,18 @@ at start belong to no tenant: they count toward `max_bytes` only.
 Reads run on a reader thread into host pages the caller owns until they are done. Namespaces
 hold a hash of an adapter's files (`lora.manager.content_uid`), so KV under an adapter is
 found again after a restart, as the base model's is.
+
+With tensor parallelism every rank keeps its own KV heads' share of each page in a folder of
+its own (its fingerprint names the shard), under the same keys: rank 0 decides what is
+written and read, and `peers` (engine/parallel/disk.py) has the workers do the same with
+their shares. A read is as good as its worst rank: its result is the fewest good pages of any
+rank, and rank 0 drops its own file of the first page some rank lacks, so that the next
+write-through writes that page again on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -33,8 +41,12 @@ from array import array
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig, ResolvedConfig
 
 MAGIC = b"switchboard-kv-page 1\n"
 
@@ -45,6 +57,48 @@ def fingerprint(model: dict, dtype: str, page_shape: Sequence[int]) -> str:
     """What a page file must match: the model's config and location, the dtype, the layout."""
     text = json.dumps({"model": model, "dtype": dtype, "page": list(page_shape)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+class HostPages(Protocol):
+    """What the disk tier needs of the host tier (`engine.kv.host.HostKVPool`): a private
+    host copy of device pages with a function that returns once it is complete; a function
+    that returns once the copies queued so far are done; one page read from disk written
+    into a host page."""
+
+    def snapshot(self, device_pages: list[int]) -> tuple[Any, Callable[[], None]]: ...
+
+    def host_writes_done(self) -> Callable[[], None]: ...
+
+    def store(self, host_page: int, page: Any) -> None: ...
+
+
+class Peers(Protocol):
+    """The other tensor-parallel ranks' disk tiers, seen from rank 0: each does what rank 0's
+    does with its own share of the pages (engine/parallel/disk.py)."""
+
+    def write(self, keys: list[str], device_pages: list[int], owner: str) -> None: ...
+
+    def read(self, keys: list[str], host_pages: list[int]) -> Future:
+        """-> the fewest good pages any of them read."""
+        ...
+
+
+def disk_tier(cfg: ResolvedConfig, model: ModelConfig, model_dir: Path,
+              pool_shape: Sequence[int], rank: int = 0, size: int = 1) -> DiskKV | None:
+    """The disk tier the config asks for (None: none), for the host pool of shape
+    `(num_layers, 2, num_pages, page_size, kv_heads, head_dim)`; with tensor parallelism,
+    rank `rank` of `size`'s share, bounded by its part of the sizes."""
+    if cfg.kv_disk_dir is None:
+        return None
+    layers, two, _, page_size, heads, dim = pool_shape
+    shape = (layers, two, page_size, heads, dim)
+    ident: dict[str, Any] = {**dataclasses.asdict(model), "path": str(model_dir)}
+    if size > 1:
+        ident["shard"] = [rank, size]
+    cap = int(cfg.kv_disk_gb * 2**30 / size) if cfg.kv_disk_gb else None
+    per_tenant = int(cfg.kv_disk_tenant_gb * 2**30 / size)
+    return DiskKV(cfg.kv_disk_dir, fingerprint(ident, cfg.dtype, shape), shape,
+                  getattr(torch, cfg.dtype), cap, per_tenant)
 
 
 class DiskKV:
@@ -71,6 +125,50 @@ class DiskKV:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
         self.pages_written = self.pages_read = self.rejected_pages = self.pages_deleted = 0
+        self.peers: Peers | None = None  # rank 0 of a tensor-parallel group: the workers'
+
+    def write_from(self, host: HostPages, keys: list[str], device_pages: list[int],
+                   owner: str = "") -> None:
+        """Write device pages (each rank its share) as `keys`' files, from a private host
+        snapshot taken now."""
+        pages, ready = host.snapshot(device_pages)
+        self.write(keys, pages, ready, owner)
+        if self.peers is not None:
+            self.peers.write(keys, device_pages, owner)
+
+    def read_into(self, host: HostPages, keys: list[str], host_pages: list[int]) -> Future:
+        """Read `keys`' pages into `host_pages` (each rank its share), which are the caller's
+        and untouched until the future is done; -> how many, from the first, are good on
+        every rank."""
+        mine = self.read(keys, lambda i, page: host.store(host_pages[i], page),
+                         before=host.host_writes_done())
+        if self.peers is None:
+            return mine
+        return self._worst(keys, mine, self.peers.read(keys, host_pages))
+
+    def _worst(self, keys: list[str], mine: Future, theirs: Future) -> Future:
+        """The fewer good pages of two reads. Where a peer's read stopped before rank 0's,
+        rank 0 drops its own file of that page too, so the next write-through writes it on
+        every rank."""
+        out: Future = Future()
+        once = threading.Lock()
+
+        def both(_: Future) -> None:
+            with once:
+                if not (mine.done() and theirs.done()) or out.done():
+                    return
+                try:
+                    own, good = mine.result(), theirs.result()
+                except Exception as e:  # noqa: BLE001 - the request computes the pages
+                    out.set_exception(e)
+                    return
+                if own > good:
+                    self._drop(keys[good])
+                out.set_result(min(own, good))
+
+        mine.add_done_callback(both)
+        theirs.add_done_callback(both)
+        return out
 
     def keys(self, namespace: Hashable, tokens: Sequence[int], page_size: int,
              num_pages: int) -> list[str]:

@@ -63,9 +63,7 @@ class HostKV(Protocol):
 
     def copy_stats(self) -> CopyStats: ...
 
-    # The disk tier's needs (engine/kv/disk.py): a private host copy of device pages and a
-    # function returning once it is complete; one that returns once the copies queued so far
-    # are done; writing one page read from disk into a host page.
+    # What the disk tier needs of it (`engine.kv.disk.HostPages`).
     def snapshot(self, device_pages: list[int]) -> tuple[Any, Callable[[], None]]: ...
 
     def host_writes_done(self) -> Callable[[], None]: ...
@@ -164,9 +162,7 @@ class KVTiers:
         host_pages = self._host_room(n, keep=None) if n else None
         if host_pages is None:
             return True
-        store = self.host.store
-        future = self.disk.read(keys[:n], lambda i, page: store(host_pages[i], page),
-                                before=self.host.host_writes_done())
+        future = self.disk.read_into(self.host, keys[:n], host_pages)
         self._reading[req] = _Read(have, host_pages, future)
         return False
 
@@ -198,8 +194,8 @@ class KVTiers:
         keys = self.disk.keys(req.namespace, req.token_ids, self.page_size, req.num_cached_pages)
         missing = self.disk.missing(keys)
         if missing:
-            pages, ready = self.host.snapshot([req.pages[i] for i in missing])
-            self.disk.write([keys[i] for i in missing], pages, ready, req.tenant)
+            self.disk.write_from(self.host, [keys[i] for i in missing],
+                                 [req.pages[i] for i in missing], req.tenant)
 
     def stats(self) -> dict[str, Any]:
         """The tiers' fields of `PrefixCacheStats`."""

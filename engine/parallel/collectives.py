@@ -267,14 +267,15 @@ class SentHostKV:
     def copy_stats(self) -> Any:
         return self.pool.copy_stats()
 
+    # The disk tier (engine/parallel/disk.py sends the workers their part of its work).
     def snapshot(self, device_pages: list[int]) -> Any:
-        raise NotImplementedError("the disk KV tier does not run with tensor parallelism")
+        return self.pool.snapshot(device_pages)
 
     def host_writes_done(self) -> Any:
-        raise NotImplementedError("the disk KV tier does not run with tensor parallelism")
+        return self.pool.host_writes_done()
 
     def store(self, host_page: int, page: Any) -> None:
-        raise NotImplementedError("the disk KV tier does not run with tensor parallelism")
+        self.pool.store(host_page, page)
 
 
 def run_host_kv(pool: Any, msg: KVOffload | KVLoad) -> None:

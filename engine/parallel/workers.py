@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig, ModelLoadError, ResolvedConfig
 from engine.ipc.parent_watch import watch_parent
+from engine.kv.disk import disk_tier
 from engine.parallel.collectives import (
     COLLECTIVE_TIMEOUT,
     STOP,
@@ -34,6 +35,7 @@ from engine.parallel.collectives import (
     rank_fingerprint,
     run_host_kv,
 )
+from engine.parallel.disk import KVRead, KVWrite, WorkerDisk
 from engine.parallel.partition import Partition
 from engine.runner.loader import load_model
 from engine.runner.model_runner import build_runner
@@ -58,9 +60,12 @@ class Workers:
         port = _free_port()
         ctx = mp.get_context("spawn")
         joining = [ctx.Event() for _ in range(1, size)]
+        # Each worker's answers to rank 0 (the disk tier's reads: engine/parallel/disk.py).
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
+        self.answers = [recv for recv, _ in pipes]
         self.procs = [
             ctx.Process(target=_worker_main, args=(rank, size, port, cfg, model_dir,
-                                                   joining[rank - 1]),
+                                                   joining[rank - 1], pipes[rank - 1][1]),
                         name=f"switchboard-tp{rank}", daemon=True)
             for rank in range(1, size)
         ]
@@ -68,6 +73,8 @@ class Workers:
         self._reaping = threading.Lock()
         for p in self.procs:
             p.start()
+        for _, send in pipes:
+            send.close()  # the workers' now: a pipe reads EOF once its worker exits
         self._await_joining(joining)
         self.tp = TPGroup.join(0, size, port, device)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
@@ -173,10 +180,10 @@ def _free_port() -> int:
 
 
 def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: Path,
-                 joining: Any) -> None:
+                 joining: Any, answers: Connection) -> None:
     """Rank `rank`: load this rank's shard, build the same model runner as rank 0, then run
     rank 0's messages until it says stop (or goes away). `joining` is set just before it
-    joins the group."""
+    joins the group; `answers` carries what rank 0 asks back (`WorkerDisk`)."""
     watch_parent(os.getppid())  # a rank exits with its core, even one killed with -9
     device = torch.device(cfg.device)
     if device.type == "cuda":
@@ -204,6 +211,10 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: 
         slots = (LoraSlots(part.local(mc), c.max_loras, c.lora_pool_rows, c.max_lora_rank,
                            dtype, device, part.cut_lora) if c.max_loras else None)
         runner = build_runner(model, c, setup.eos_token_ids, slots, tp)
+        disk = None
+        if runner.host_kv is not None:
+            tier = disk_tier(c, mc, model_dir, runner.host_kv.pool.shape, rank, size)
+            disk = WorkerDisk(tier, runner.host_kv, answers) if tier is not None else None
         try:
             while (msg := tp.recv()) != STOP:
                 if isinstance(msg, Forward):
@@ -218,8 +229,13 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: 
                 elif isinstance(msg, KVOffload | KVLoad):
                     assert runner.host_kv is not None, "rank 0 copies KV only with a host tier"
                     run_host_kv(runner.host_kv, msg)
+                elif isinstance(msg, KVWrite | KVRead):
+                    assert disk is not None, "rank 0 sends KV file work only with a disk tier"
+                    disk.run(msg)
         finally:
             runner.close()  # the graphs go before the communicator they captured
+            if disk is not None:
+                disk.close()
     finally:
         tp.close()
 
