@@ -196,8 +196,15 @@ class EngineConfig(BaseModel):
         True, help="keep finished KV in the radix tree and reuse shared prefixes "
         "(--no-prefix-cache: sessions then re-prefill)")
     num_speculative_tokens: int = setting(
-        0, ge=0, le=16, help="draft tokens per decode looked up in the sequence itself "
-        "(prompt lookup) and verified in one forward, in batches of up to 16 decodes; 0: off")
+        0, ge=0, le=16, help="the most draft tokens per decode, verified in one forward, in "
+        "batches of up to 16 decodes (the drafts: --speculative-method); 0: off")
+    speculative_method: Literal["suffix", "ngram"] = setting(
+        "suffix", help="where drafts come from: suffix (the sequence itself and what earlier "
+        "requests of the same tenant and adapter wrote, suffix decoding) or ngram (the "
+        "sequence itself only, prompt lookup)")
+    suffix_cache_tokens: int = setting(
+        1 << 18, ge=0, help="tokens of finished requests' outputs suffix decoding keeps to "
+        "draft from, over all tenants; the least recently used go first")
     session_kv_pages: int | None = setting(
         None, ge=0, help="KV pages a tenant's sessions keep pinned between turns "
         "(default: a quarter of the pool)")

@@ -325,7 +325,7 @@ def test_a_request_whose_drafts_fail_stops_drafting():
         assert spec.accepted(seq, [9, 9, 9, 9, 9]) == 0  # every draft rejected
     assert not spec._looks_up(req)
     assert spec.drafts(req)  # what its grammar forces is still drafted
-    spec.release("r")
+    spec.release(req)
     assert spec._looks_up(req)
     assert spec.accepted(seq, [3, 1, 7, 3, 0]) == 2
     assert MIN_ACCEPTANCE > 0

@@ -34,8 +34,9 @@ from engine.runner.loader import load_model, resolve_model_dir
 from engine.runner.model_runner import build_runner
 from engine.sampling.params import InvalidRequestError, SamplingParams, check_request
 from engine.sampling.structured import GrammarStage
-from engine.spec.speculative import CPU_MAX_BATCH, MAX_BATCH, Speculator
+from engine.spec.speculative import CPU_MAX_BATCH, MAX_BATCH, PromptLookup, Speculator
 from engine.spec.steps import DraftLoopStep, SpeculativeStep
+from engine.spec.suffix import SuffixDrafter
 from kernels import spec_decode
 from lora.manager import AdapterManager, UnknownAdapter
 from lora.slots import LoraSlots
@@ -103,9 +104,12 @@ class LLMEngine:
             log.info("memory: %s", why)
         self.max_model_len = cfg.max_model_len
         self.max_num_seqs = cfg.max_num_seqs
-        speculator = (Speculator(cfg.num_speculative_tokens, max_batch=MAX_BATCH
-                                      if device.type == "cuda" else CPU_MAX_BATCH)
-                           if cfg.num_speculative_tokens else None)
+        speculator = None
+        if cfg.num_speculative_tokens:
+            drafter = (SuffixDrafter(cfg.suffix_cache_tokens)
+                       if cfg.speculative_method == "suffix" else PromptLookup())
+            speculator = Speculator(cfg.num_speculative_tokens, drafter, max_batch=MAX_BATCH
+                                    if device.type == "cuda" else CPU_MAX_BATCH)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

@@ -151,7 +151,7 @@ class OutputProcessor:
         self.runner.sampler.release(req.request_id)
         speculator = self.speculator()
         if speculator is not None:
-            speculator.release(req.request_id)
+            speculator.release(req, completed=reason in ("stop", "length"))
         self.requests.pop(req.request_id, None)
 
     def output(self, req: Request, new_ids: list[int], logprobs) -> RequestOutput:

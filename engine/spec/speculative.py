@@ -31,7 +31,7 @@ opt out (`SamplingParams.speculative=False`) do not speculate.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,8 +50,9 @@ PROBATION = 16  # ... once this many of its draft tokens have been verified
 
 
 class Drafter(Protocol):
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to `k` tokens likely to follow `tokens` (the prompt and output so far)."""
+    def propose(self, tokens: list[int], k: int, namespace: Hashable = None) -> list[int]:
+        """Up to `k` tokens likely to follow `tokens` (the prompt and output so far) of a
+        request in `namespace` (`Request.namespace`: whose text it may draft from)."""
         ...
 
 
@@ -89,7 +90,7 @@ class PromptLookup:
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4, window: int = 4096):
         self.min_ngram, self.max_ngram, self.window = min_ngram, max_ngram, window
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int, namespace: Hashable = None) -> list[int]:
         end = len(tokens) - 1
         last, lo = tokens[end], max(end - self.window + 1, 0)
         best, best_len = -1, 0
@@ -171,7 +172,7 @@ class Speculator:
             num_forced = max(len(forced) - 1, 0)
             k = min(self.k, left - 1 - len(forced)) if self._looks_up(req) else 0
             context = req.token_ids + forced if forced else req.token_ids  # no copy if none
-            looked = self.drafter.propose(context, k) if k > 0 else []
+            looked = self.drafter.propose(context, k, req.namespace) if k > 0 else []
             if grammar is not None and looked:
                 allowed = grammar.valid_prefix(req, forced + looked)
                 looked = looked[: max(allowed - len(forced), 0)]
@@ -203,8 +204,13 @@ class Speculator:
         s.emitted += n + 1
         return n
 
-    def release(self, request_id: str) -> None:
-        self._record.pop(request_id, None)
+    def release(self, req: Request, completed: bool = False) -> None:
+        """`req` ended; a `completed` one (not aborted nor failed) teaches a drafter that
+        learns (`SuffixDrafter`) what it wrote."""
+        self._record.pop(req.request_id, None)
+        learn = getattr(self.drafter, "learn", None)
+        if completed and learn is not None and req.num_output_tokens:
+            learn(req.namespace, req.prompt_token_ids, req.output_token_ids)
 
     def drafts(self, req: Request) -> bool:
         """Whether the request's decodes get drafts: its grammar's forced tokens always (the

@@ -1,0 +1,186 @@
+"""Suffix decoding: drafts from what a tenant's agents wrote before, as well as from the
+sequence itself (after Arctic Inference's SuffixDecoding). Pure Python.
+
+Agents repeat themselves across requests: the same tool-call skeletons, paths, JSON keys and
+code, turn after turn and session after session. Prompt lookup (`PromptLookup`) only finds a
+draft inside the sequence; `SuffixDrafter` also looks in a corpus of earlier outputs.
+
+- **The corpus** is per namespace (`Request.namespace`: the tenant and the adapter's
+  weights, as the prefix cache keys KV), so no tenant's text ever drafts for another. It
+  holds each finished request's output with the last `CONTEXT` tokens of its prompt before
+  it (so the start of an answer matches the chat template's header), and an index from every
+  `ANCHOR`-token n-gram to where it ends. It is bounded by `max_tokens` over all namespaces;
+  past it, the least recently used entries (written or drafted from) go first.
+- **Candidates** for a sequence: the earlier occurrences of its last tokens, in the sequence
+  itself (2 tokens or more, in its last `window` tokens) and in its namespace's corpus (its
+  last `ANCHOR` tokens, the most recent `MAX_CANDIDATES` occurrences). Each match is extended
+  backwards, up to `MAX_MATCH` tokens.
+- **The draft** follows the candidates whose match is longest (every one matching at least
+  `LONG_MATCH` tokens counts as longest): token by token, the one most of them continue with,
+  while the product of those shares (the draft's estimated chance) stays above `MIN_PROB`,
+  the candidates disagreeing dropping out as it goes. Its length adapts to the match: at
+  most twice the match length, and the engine's ceiling (`--num-speculative-tokens`).
+
+Drafts are verified as any (engine/spec/speculative.py), so outputs are exactly those of
+plain decoding. Linear drafts, not trees: a verify step costs the same for a chain of k
+tokens as for a tree of k nodes, and where candidates disagree the draft stops at the
+disagreement, so a tree would mostly add branches that are rarely right; on the CPU, where
+every extra row costs, and in the GPU loop's fixed-shape steps, a chain keeps each step's
+rows the ones most likely accepted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from engine.spec.speculative import PromptLookup
+
+ANCHOR = 3  # tokens of the corpus index's n-grams: the shortest match looked up there
+CONTEXT = 16  # prompt tokens kept before each output
+MAX_MATCH = 32  # a match is extended backwards this far at most
+LONG_MATCH = 8  # every candidate matching at least this many tokens votes
+MAX_CANDIDATES = 64  # most recent corpus occurrences of an n-gram looked at
+MIN_PROB = 0.3  # a draft stops where its estimated chance falls below this
+DEFAULT_TOKENS = 1 << 18  # corpus tokens kept over all namespaces
+
+Candidate = tuple[Sequence[int], int, int]  # (source, index of the next token, match length)
+
+
+class _Corpus:
+    """One namespace's outputs and their n-gram index."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, list[int]] = {}
+        self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # n-gram -> (entry, end)
+
+    def add(self, key: int, tokens: list[int]) -> None:
+        self.entries[key] = tokens
+        for end in range(ANCHOR - 1, len(tokens)):
+            gram = tuple(tokens[end - ANCHOR + 1 : end + 1])
+            self.index.setdefault(gram, []).append((key, end))
+
+    def remove(self, key: int) -> None:
+        tokens = self.entries.pop(key)
+        for gram in {tuple(tokens[e - ANCHOR + 1 : e + 1])
+                     for e in range(ANCHOR - 1, len(tokens))}:
+            kept = [hit for hit in self.index[gram] if hit[0] != key]
+            if kept:
+                self.index[gram] = kept
+            else:
+                del self.index[gram]
+
+    def candidates(self, tokens: list[int]) -> list[tuple[int, Candidate]]:
+        """(entry, candidate) for the latest occurrences of `tokens`' last ANCHOR tokens."""
+        hits = self.index.get(tuple(tokens[-ANCHOR:]))
+        if not hits:
+            return []
+        out: list[tuple[int, Candidate]] = []
+        for key, end in hits[-MAX_CANDIDATES:]:
+            source = self.entries[key]
+            n = _match(tokens, source, end, ANCHOR)
+            out.append((key, (source, end + 1, n)))
+        return out
+
+
+class SuffixDrafter:
+    """Drafts from the sequence and its namespace's earlier outputs (see the module's text).
+    `max_tokens`: the corpus's bound over all namespaces (`--suffix-cache-tokens`)."""
+
+    def __init__(self, max_tokens: int = DEFAULT_TOKENS, window: int = 4096) -> None:
+        self.max_tokens = max_tokens
+        self.lookup = PromptLookup(window=window)  # the loop's drafter on the device
+        self.window = window
+        self._corpora: dict[Hashable, _Corpus] = {}
+        self._lru: OrderedDict[int, Hashable] = OrderedDict()  # entry -> namespace
+        self._next = 0
+        self.num_tokens = 0
+
+    # -- learning ---------------------------------------------------------------------------
+
+    def learn(self, namespace: Hashable, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Keep a finished request's output, after the end of its prompt."""
+        if not output or self.max_tokens <= 0:
+            return
+        tokens = list(prompt[-CONTEXT:]) + list(output)
+        tokens = tokens[-self.max_tokens:]
+        key, self._next = self._next, self._next + 1
+        self._corpora.setdefault(namespace, _Corpus()).add(key, tokens)
+        self._lru[key] = namespace
+        self.num_tokens += len(tokens)
+        while self.num_tokens > self.max_tokens:
+            self._evict()
+
+    def _evict(self) -> None:
+        key, namespace = self._lru.popitem(last=False)
+        corpus = self._corpora[namespace]
+        self.num_tokens -= len(corpus.entries[key])
+        corpus.remove(key)
+        if not corpus.entries:
+            del self._corpora[namespace]
+
+    # -- drafting ---------------------------------------------------------------------------
+
+    def propose(self, tokens: list[int], k: int, namespace: Hashable = None) -> list[int]:
+        if k <= 0 or len(tokens) < 2:
+            return []
+        found = self._in_sequence(tokens)
+        corpus = self._corpora.get(namespace)
+        if corpus is not None and len(tokens) >= ANCHOR:
+            for key, cand in corpus.candidates(tokens):
+                found.append(cand)
+                self._lru.move_to_end(key)
+        if not found:
+            return []
+        best = max(n for _, _, n in found)
+        voters = [(src, at) for src, at, n in found if n >= min(best, LONG_MATCH)]
+        return _vote(voters, min(k, 2 * best))
+
+    def _in_sequence(self, tokens: list[int]) -> list[Candidate]:
+        """Earlier occurrences of the sequence's last two tokens or more (prompt lookup's)."""
+        end = len(tokens) - 1
+        last, lo = tokens[end], max(end - self.window + 1, 0)
+        out: list[Candidate] = []
+        i = lo - 1
+        while True:
+            try:
+                i = tokens.index(last, i + 1, end)
+            except ValueError:
+                return out
+            n = _match(tokens, tokens, i, 1, lo)
+            if n >= 2:
+                out.append((tokens, i + 1, n))
+
+    def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor,
+                          k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The overlapped loop's drafts (`DeviceDrafter`): the sequences' own, on the device;
+        the corpus is searched only by `propose`, on the host."""
+        return self.lookup.propose_on_device(tokens, lengths, k)
+
+
+def _match(tokens: Sequence[int], source: Sequence[int], end: int, n: int, lo: int = 0) -> int:
+    """How many tokens up to `source[end]` equal `tokens`' last ones, knowing the last `n`
+    do (at most MAX_MATCH; not before `source[lo]`)."""
+    top = len(tokens) - 1
+    while n < MAX_MATCH and end - n >= lo and source[end - n] == tokens[top - n]:
+        n += 1
+    return n
+
+
+def _vote(voters: list[tuple[Sequence[int], int]], limit: int) -> list[int]:
+    """Follow the voters' continuations while most of them agree (see the module's text)."""
+    draft: list[int] = []
+    prob = 1.0
+    while len(draft) < limit:
+        counts = Counter(src[at] for src, at in voters if at < len(src))
+        if not counts:
+            break
+        token, agree = counts.most_common(1)[0]
+        prob *= agree / sum(counts.values())
+        if prob < MIN_PROB:
+            break
+        draft.append(token)
+        voters = [(src, at + 1) for src, at in voters if at < len(src) and src[at] == token]
+    return draft
