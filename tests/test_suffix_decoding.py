@@ -57,16 +57,28 @@ def test_the_corpus_keeps_to_its_size_least_recently_used_first():
     assert d.num_tokens == 40
     assert d.propose([0, 1, 2], 4, ("t", 0)) == []  # the first output is gone ...
     assert d.propose([400, 401, 402], 4, ("t", 0)) == [403, 404, 405, 406]  # ... the last kept
-    # The index holds only the entries kept.
+    # The index holds the entries kept, and those removed at most as many hits again (they
+    # are dropped when the index is rebuilt).
     for corpus in d._corpora.values():
         hits = [key for grams in corpus.index.values() for key, _ in grams]
-        assert set(hits) == set(corpus.entries)
-        assert len(hits) == sum(len(t) - ANCHOR + 1 for t in corpus.entries.values())
+        live = sum(len(t) - ANCHOR + 1 for t in corpus.entries.values())
+        assert set(corpus.entries) <= set(hits)
+        assert sum(key in corpus.entries for key in hits) == corpus.live == live
+        assert len(hits) - live == corpus.stale <= live
     # Drafting from an entry makes it recently used: the next output evicts the other one.
     d.propose([200, 201, 202], 4, ("t", 0))
     d.learn(("t", 1), prompt=[], output=list(range(900, 910)))
     assert d.propose([200, 201, 202], 4, ("t", 0)) == [203, 204, 205, 206]
     assert d.propose([300, 301, 302], 4, ("t", 1)) == []
+    churn = SuffixDrafter(max_tokens=50)  # many outputs through a small corpus
+    for i in range(100):
+        churn.learn("A", prompt=[], output=[1000 * i + j for j in range(10)])
+        corpus = churn._corpora["A"]
+        hits = sum(len(grams) for grams in corpus.index.values())
+        assert corpus.live == 8 * min(i + 1, 5)  # 5 outputs of 10 tokens kept, 8 hits each
+        assert hits == corpus.live + corpus.stale <= 2 * corpus.live
+    assert churn.propose([99000, 99001, 99002], 3, "A") == [99003, 99004, 99005]
+    assert churn.propose([94000, 94001, 94002], 3, "A") == []
     off = SuffixDrafter(max_tokens=0)  # no corpus: the sequence's own text only
     off.learn("A", prompt=[], output=[7, 8, 9, 10])
     assert off.num_tokens == 0 and off.propose([7, 8, 9], 2, "A") == []

@@ -50,27 +50,33 @@ Candidate = tuple[Sequence[int], int, int]  # (source, index of the next token, 
 
 
 class _Corpus:
-    """One namespace's outputs and their n-gram index."""
+    """One namespace's outputs and their n-gram index. A removed entry's index hits are
+    dropped lazily (skipped when met), and the index is rebuilt once they outnumber the
+    live ones, so removing costs O(1) and the index stays within twice the tokens kept."""
 
     def __init__(self) -> None:
         self.entries: dict[int, list[int]] = {}
         self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # n-gram -> (entry, end)
+        self.live = self.stale = 0  # index hits of kept and of removed entries
 
     def add(self, key: int, tokens: list[int]) -> None:
         self.entries[key] = tokens
+        self._index(key, tokens)
+
+    def _index(self, key: int, tokens: list[int]) -> None:
         for end in range(ANCHOR - 1, len(tokens)):
             gram = tuple(tokens[end - ANCHOR + 1 : end + 1])
             self.index.setdefault(gram, []).append((key, end))
+        self.live += max(len(tokens) - ANCHOR + 1, 0)
 
     def remove(self, key: int) -> None:
-        tokens = self.entries.pop(key)
-        for gram in {tuple(tokens[e - ANCHOR + 1 : e + 1])
-                     for e in range(ANCHOR - 1, len(tokens))}:
-            kept = [hit for hit in self.index[gram] if hit[0] != key]
-            if kept:
-                self.index[gram] = kept
-            else:
-                del self.index[gram]
+        n = max(len(self.entries.pop(key)) - ANCHOR + 1, 0)
+        self.live -= n
+        self.stale += n
+        if self.stale > self.live:
+            self.index, self.live, self.stale = {}, 0, 0
+            for k, tokens in self.entries.items():
+                self._index(k, tokens)
 
     def candidates(self, tokens: list[int]) -> list[tuple[int, Candidate]]:
         """(entry, candidate) for the latest occurrences of `tokens`' last ANCHOR tokens."""
@@ -78,10 +84,13 @@ class _Corpus:
         if not hits:
             return []
         out: list[tuple[int, Candidate]] = []
-        for key, end in hits[-MAX_CANDIDATES:]:
-            source = self.entries[key]
-            n = _match(tokens, source, end, ANCHOR)
-            out.append((key, (source, end + 1, n)))
+        for key, end in reversed(hits):
+            source = self.entries.get(key)
+            if source is None:  # removed
+                continue
+            out.append((key, (source, end + 1, _match(tokens, source, end, ANCHOR))))
+            if len(out) == MAX_CANDIDATES:
+                break
         return out
 
 

@@ -1,0 +1,181 @@
+"""Suffix decoding on agent traffic: plain decoding, prompt lookup and suffix decoding on the
+same multi-turn traces, one engine, same run, greedy (outputs must be identical).
+
+    python benchmarks/suffix_decoding.py [--batch 1] [--sessions 6] [--modes plain,ngram:4,suffix:4]
+        [--out results.json]
+
+Traces (each session's turns in order, each turn's prompt the whole conversation so far;
+`--batch` sessions run side by side, their turns batched together):
+  - agent: an incident agent. Turn 1 calls `search_logs` (a constrained tool call quoting the
+    session's log lines), turn 2 writes a JSON record under a schema, turn 3 a two-sentence
+    summary. Sessions differ in the service, ids, paths and regions in their logs, so what
+    repeats across sessions is the skeleton (the tool call's, the record's keys, the
+    summary's phrasing), not the values.
+  - code_edit: each turn rewrites the function the turn before returned, renaming one more
+    identifier, and shows the whole function; sessions start from different functions.
+Every mode starts from an empty suffix corpus: what suffix decoding drafts from earlier
+sessions it learned within the run. Reported per trace and mode: decode time per output token
+(after each request's first token: the prefill is the same in every mode) and its ratio to
+plain decoding's, accepted drafts, and output tokens per verify step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speculative import CODE, SCHEMA, SEARCH_LOGS, Totals, run  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.spec.speculative import PromptLookup, Speculator  # noqa: E402
+from engine.spec.suffix import SuffixDrafter  # noqa: E402
+from gateway.openai.tools import FALLBACK_SYSTEM  # noqa: E402
+from grammar.spec import parse_constraint  # noqa: E402
+from grammar.tools import parse_tools, tool_constraint  # noqa: E402
+
+SERVICES = [("billing", "invoices", "payments-eu-west-1"), ("auth", "sessions", "auth-core"),
+            ("search", "queries", "index-us-east-2"), ("orders", "carts", "orders-db-ap-1"),
+            ("media", "uploads", "blob-eu-central-1"), ("mail", "messages", "smtp-relay-2"),
+            ("maps", "tiles", "geo-us-west-1"), ("chat", "threads", "chat-core-3")]
+CODE_FUNCS = [
+    CODE,
+    '''def summarize_orders(orders, currency, exchange_rates):
+    total = 0.0
+    for order in orders:
+        rate = exchange_rates.get(order.currency, 1.0)
+        total += order.amount * rate
+    return round(total, 2), currency''',
+    '''def parse_log_line(line, field_separator, known_levels):
+    parts = line.split(field_separator)
+    if len(parts) < 3:
+        return None
+    level = parts[1] if parts[1] in known_levels else "INFO"
+    return {"time": parts[0], "level": level, "message": parts[2]}''',
+]
+RENAMES = [["settings_store", "default_settings", "stored"], ["exchange_rates", "orders", "total"],
+           ["field_separator", "known_levels", "parts"]]
+
+
+def _logs(s: int) -> tuple[str, str]:
+    service, noun, upstream = SERVICES[s % len(SERVICES)]
+    base = 8800 + 37 * s
+    lines = [f"12:0{i}:1{s % 10} {service} status=503 path=/v1/{noun}/{base + i} "
+             f"upstream={upstream}" for i in range(3)]
+    lines.insert(2, f"12:02:3{s % 10} health status=200 path=/v1/ping upstream=lb-{s}")
+    ask = ("Logs:\n" + "\n".join(lines) + f"\n\nThe first failing request is service "
+           f"{service}, path /v1/{noun}/{base}, upstream {upstream}. Search its logs.")
+    return ask, service
+
+
+def agent_turns(s: int) -> list[tuple[str, object, int]]:
+    """(user message, constraint, max_tokens) of each turn of agent session `s`."""
+    ask, service = _logs(s)
+    tool = tool_constraint(parse_tools([SEARCH_LOGS], "required"))
+    record = parse_constraint({"type": "json_schema",
+                               "json_schema": {"name": "r", "schema": SCHEMA}})
+    return [(ask, tool, 64),
+            (f"search_logs found 3 errors for {service} in the last hour. Describe the "
+             "failing service as JSON.", record, 64),
+            ("Write the incident summary for the on-call channel in two sentences.", None, 64)]
+
+
+def code_turns(s: int) -> list[tuple[str, object, int]]:
+    func, names = CODE_FUNCS[s % len(CODE_FUNCS)], RENAMES[s % len(RENAMES)]
+    first = (f"Rename the parameter {names[0]} to {names[0].split('_')[0]}_in in this function "
+             f"and show the whole function:\n\n{func}")
+    return [(first, None, 96)] + [
+        (f"Now also rename {n} to {n}_value and show the whole function again.", None, 96)
+        for n in names[1:]]
+
+
+TRACES = {"agent": agent_turns, "code_edit": code_turns}
+
+
+def run_trace(llm: LLM, turns_of, sessions: int, batch: int) -> tuple[Totals, list]:
+    """Every session's turns, `batch` sessions side by side; (totals, every output's ids)."""
+    tok, totals, outputs = llm.tokenizer, Totals(), []
+    system = {"role": "system", "content": FALLBACK_SYSTEM.format(tools=json.dumps(SEARCH_LOGS))}
+    for first in range(0, sessions, batch):
+        group = list(range(first, min(first + batch, sessions)))
+        chats = {s: [system] if turns_of is agent_turns else [] for s in group}
+        plans = {s: turns_of(s) for s in group}
+        for t in range(len(plans[group[0]])):
+            prompts, params = [], []
+            for s in group:
+                text, constraint, max_tokens = plans[s][t]
+                chats[s].append({"role": "user", "content": text})
+                prompts.append(tok.encode(tok.apply_chat_template(
+                    chats[s], tokenize=False, add_generation_prompt=True)))
+                params.append(SamplingParams(max_tokens=max_tokens, temperature=0,
+                                             constraint=constraint))
+            part, ids = run(llm, prompts, params)
+            totals.add(part)
+            outputs += ids
+            for s, out in zip(group, ids, strict=True):
+                chats[s].append({"role": "assistant", "content": tok.decode(out)})
+    return totals, outputs
+
+
+def speculator(mode: str, max_batch: int) -> Speculator | None:
+    if mode == "plain":
+        return None
+    method, k = mode.split(":")
+    drafter = SuffixDrafter() if method == "suffix" else PromptLookup()
+    return Speculator(int(k), drafter, max_batch=max_batch)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--sessions", type=int, default=6)
+    ap.add_argument("--modes", default="plain,ngram:4,suffix:4")
+    ap.add_argument("--traces", default="agent,code_edit")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    k_max = max([int(m.split(":")[1]) for m in modes if ":" in m] or [4])
+    llm = LLM(model=args.model, device=args.device, max_num_seqs=max(16, args.batch),
+              num_pages=2048, num_speculative_tokens=k_max)
+    assert llm.engine.speculator is not None
+    max_batch = llm.engine.speculator.max_batch  # the engine's choice for its device
+    llm.engine.speculator = None
+    llm.generate([llm.tokenizer.encode("warm up")], [SamplingParams(max_tokens=4)])
+    report: dict[str, dict] = {"machine": {"device": args.device, "batch": args.batch,
+                                           "sessions": args.sessions, "date": time.strftime(
+                                               "%Y-%m-%d")}}
+    for trace in args.traces.split(","):
+        plain_ids = None
+        plain_rate = None
+        for mode in modes:
+            llm.engine.reset_prefix_cache()
+            llm.engine.speculator = spec = speculator(mode, max_batch)
+            try:
+                totals, ids = run_trace(llm, TRACES[trace], args.sessions, args.batch)
+            finally:
+                llm.engine.speculator = None
+            per_token = totals.decode_seconds / totals.decode_tokens
+            if plain_ids is None:
+                plain_ids, plain_rate = ids, per_token
+            s = spec.stats if spec else None
+            row = {"decode_ms_per_token": round(1000 * per_token, 2),
+                   "speedup_vs_plain": round(plain_rate / per_token, 2),
+                   "identical": ids == plain_ids,
+                   "output_tokens": totals.tokens,
+                   "decode_tokens_per_step": round(totals.decode_tokens / totals.decode_steps, 2),
+                   "acceptance": round(s.accepted / s.drafted, 3) if s and s.drafted else None,
+                   "tokens_per_verify_step":
+                       round(s.emitted / s.forwards, 2) if s and s.forwards else None}
+            report[f"{trace}/{mode}"] = row
+            print(f"{trace:10s} {mode:10s} {json.dumps(row)}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
