@@ -267,7 +267,7 @@ class RepeatLast:
     synchronous speculative step (it has no `propose_on_device`, so it never loops): every
     decode then verifies k + 1 positions, whatever is accepted, which is the cost measured."""
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int, namespace: object = None) -> list[int]:
         return [tokens[-1]] * k
 
 

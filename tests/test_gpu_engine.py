@@ -181,7 +181,7 @@ class EchoDrafter:
     """Proposes the sequence's last few tokens again: a draft at every decode, of lengths 1..k
     (rarely accepted by random weights; the verify step's cost and layout are what count)."""
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int, namespace: object = None) -> list[int]:
         return tokens[-(1 + len(tokens) % k):]
 
 
