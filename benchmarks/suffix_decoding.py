@@ -1,8 +1,8 @@
 """Suffix decoding on agent traffic: plain decoding, prompt lookup and suffix decoding on the
 same multi-turn traces, one engine, same run, greedy (outputs must be identical).
 
-    python benchmarks/suffix_decoding.py [--batch 1] [--sessions 6] [--modes plain,ngram:4,suffix:4]
-        [--out results.json]
+    python benchmarks/suffix_decoding.py [--batch 1] [--sessions 6] [--rounds 2]
+        [--modes plain,ngram:4,suffix:4,suffix:8] [--out results.json]
 
 Traces (each session's turns in order, each turn's prompt the whole conversation so far;
 `--batch` sessions run side by side, their turns batched together):
@@ -13,10 +13,12 @@ Traces (each session's turns in order, each turn's prompt the whole conversation
     summary's phrasing), not the values.
   - code_edit: each turn rewrites the function the turn before returned, renaming one more
     identifier, and shows the whole function; sessions start from different functions.
-Every mode starts from an empty suffix corpus: what suffix decoding drafts from earlier
-sessions it learned within the run. Reported per trace and mode: decode time per output token
-(after each request's first token: the prefill is the same in every mode) and its ratio to
-plain decoding's, accepted drafts, and output tokens per verify step.
+The first mode is the baseline. Every mode starts each round from an empty suffix corpus:
+what suffix decoding drafts from earlier sessions it learned within that run of the trace.
+The modes alternate over `--rounds`, and figures sum the rounds. Reported per trace and
+mode: decode time per output token (after each request's first token: the prefill is the
+same in every mode) and its ratio to the baseline's, accepted drafts, and output tokens per
+verify step.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative import CODE, SCHEMA, SEARCH_LOGS, Totals, run  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.spec.speculative import PromptLookup, Speculator  # noqa: E402
+from engine.spec.speculative import PromptLookup, SpecStats, Speculator  # noqa: E402
 from engine.spec.suffix import SuffixDrafter  # noqa: E402
 from gateway.openai.tools import FALLBACK_SYSTEM  # noqa: E402
-from grammar.spec import parse_constraint  # noqa: E402
+from grammar.spec import ConstraintSpec, parse_constraint  # noqa: E402
 from grammar.tools import parse_tools, tool_constraint  # noqa: E402
 
 SERVICES = [("billing", "invoices", "payments-eu-west-1"), ("auth", "sessions", "auth-core"),
@@ -71,8 +73,11 @@ def _logs(s: int) -> tuple[str, str]:
     return ask, service
 
 
-def agent_turns(s: int) -> list[tuple[str, object, int]]:
-    """(user message, constraint, max_tokens) of each turn of agent session `s`."""
+Turn = tuple[str, ConstraintSpec | None, int]  # user message, constraint, max_tokens
+
+
+def agent_turns(s: int) -> list[Turn]:
+    """Each turn of agent session `s`."""
     ask, service = _logs(s)
     tool = tool_constraint(parse_tools([SEARCH_LOGS], "required"))
     record = parse_constraint({"type": "json_schema",
@@ -83,11 +88,12 @@ def agent_turns(s: int) -> list[tuple[str, object, int]]:
             ("Write the incident summary for the on-call channel in two sentences.", None, 64)]
 
 
-def code_turns(s: int) -> list[tuple[str, object, int]]:
+def code_turns(s: int) -> list[Turn]:
     func, names = CODE_FUNCS[s % len(CODE_FUNCS)], RENAMES[s % len(RENAMES)]
     first = (f"Rename the parameter {names[0]} to {names[0].split('_')[0]}_in in this function "
              f"and show the whole function:\n\n{func}")
-    return [(first, None, 96)] + [
+    turns: list[Turn] = [(first, None, 96)]
+    return turns + [
         (f"Now also rename {n} to {n}_value and show the whole function again.", None, 96)
         for n in names[1:]]
 
@@ -116,7 +122,7 @@ def run_trace(llm: LLM, turns_of, sessions: int, batch: int) -> tuple[Totals, li
             totals.add(part)
             outputs += ids
             for s, out in zip(group, ids, strict=True):
-                chats[s].append({"role": "assistant", "content": tok.decode(out)})
+                chats[s].append({"role": "assistant", "content": str(tok.decode(out))})
     return totals, outputs
 
 
@@ -134,8 +140,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--sessions", type=int, default=6)
-    ap.add_argument("--modes", default="plain,ngram:4,suffix:4")
+    ap.add_argument("--modes", default="plain,ngram:4,suffix:4,suffix:8")
     ap.add_argument("--traces", default="agent,code_edit")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -146,31 +153,42 @@ def main() -> None:
     max_batch = llm.engine.speculator.max_batch  # the engine's choice for its device
     llm.engine.speculator = None
     llm.generate([llm.tokenizer.encode("warm up")], [SamplingParams(max_tokens=4)])
-    report: dict[str, dict] = {"machine": {"device": args.device, "batch": args.batch,
+    report: dict[str, dict[str, object]] = {"machine": {"device": args.device, "batch": args.batch,
                                            "sessions": args.sessions, "date": time.strftime(
                                                "%Y-%m-%d")}}
     for trace in args.traces.split(","):
+        totals = {mode: Totals() for mode in modes}
+        stats = {mode: SpecStats() for mode in modes}
+        same = {mode: True for mode in modes}
         plain_ids = None
-        plain_rate = None
+        for _ in range(args.rounds):  # the modes alternate, so drift hits all alike
+            for mode in modes:
+                llm.engine.reset_prefix_cache()
+                llm.engine.speculator = spec = speculator(mode, max_batch)
+                try:
+                    part, ids = run_trace(llm, TRACES[trace], args.sessions, args.batch)
+                finally:
+                    llm.engine.speculator = None
+                totals[mode].add(part)
+                plain_ids = ids if plain_ids is None else plain_ids
+                same[mode] &= ids == plain_ids
+                if spec is not None:
+                    for name in ("drafted", "accepted", "forwards", "emitted"):
+                        setattr(stats[mode], name,
+                                getattr(stats[mode], name) + getattr(spec.stats, name))
+        base = totals[modes[0]]
         for mode in modes:
-            llm.engine.reset_prefix_cache()
-            llm.engine.speculator = spec = speculator(mode, max_batch)
-            try:
-                totals, ids = run_trace(llm, TRACES[trace], args.sessions, args.batch)
-            finally:
-                llm.engine.speculator = None
-            per_token = totals.decode_seconds / totals.decode_tokens
-            if plain_ids is None:
-                plain_ids, plain_rate = ids, per_token
-            s = spec.stats if spec else None
-            row = {"decode_ms_per_token": round(1000 * per_token, 2),
-                   "speedup_vs_plain": round(plain_rate / per_token, 2),
-                   "identical": ids == plain_ids,
-                   "output_tokens": totals.tokens,
-                   "decode_tokens_per_step": round(totals.decode_tokens / totals.decode_steps, 2),
-                   "acceptance": round(s.accepted / s.drafted, 3) if s and s.drafted else None,
-                   "tokens_per_verify_step":
-                       round(s.emitted / s.forwards, 2) if s and s.forwards else None}
+            t, s = totals[mode], stats[mode]
+            per_token = t.decode_seconds / t.decode_tokens
+            row: dict[str, object] = {"decode_ms_per_token": round(1000 * per_token, 2),
+                   "speedup_vs_plain": round(base.decode_seconds / base.decode_tokens
+                                             / per_token, 2),
+                   "identical": same[mode],
+                   "output_tokens": t.tokens,
+                   "decode_tokens_per_step": round(t.decode_tokens / t.decode_steps, 2),
+                   "acceptance": round(s.accepted / s.drafted, 3) if s.drafted else None,
+                   "tokens_per_verify_step": round(s.emitted / s.forwards, 2)
+                   if s.forwards else None}
             report[f"{trace}/{mode}"] = row
             print(f"{trace:10s} {mode:10s} {json.dumps(row)}", flush=True)
     if args.out:
