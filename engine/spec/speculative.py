@@ -31,7 +31,7 @@ opt out (`SamplingParams.speculative=False`) do not speculate.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,18 +91,8 @@ class PromptLookup:
         self.min_ngram, self.max_ngram, self.window = min_ngram, max_ngram, window
 
     def propose(self, tokens: list[int], k: int, namespace: Hashable = None) -> list[int]:
-        end = len(tokens) - 1
-        last, lo = tokens[end], max(end - self.window + 1, 0)
         best, best_len = -1, 0
-        i = lo - 1
-        while True:  # earlier ends of a match, in order (`list.index` scans in C)
-            try:
-                i = tokens.index(last, i + 1, end)
-            except ValueError:
-                break
-            n = 1
-            while n < self.max_ngram and n <= i - lo and tokens[i - n] == tokens[end - n]:
-                n += 1
+        for i, n in earlier_matches(tokens, self.window, self.max_ngram):
             if n >= best_len:  # longer wins; among equals, the later
                 best, best_len = i, n
         if best_len < self.min_ngram:
@@ -116,6 +106,24 @@ class PromptLookup:
         `propose` would give fewer (no match of `min_ngram`, or the match's continuation
         reaches the end) the best shorter match fills in, then the last token repeated."""
         return prompt_lookup(tokens, lengths, k, self.min_ngram, self.max_ngram, self.window)
+
+
+def earlier_matches(tokens: list[int], window: int, max_len: int) -> Iterator[tuple[int, int]]:
+    """Each earlier end `i` of a match of the sequence's last tokens within its last `window`
+    tokens, in order, with the match's length `n` (at most `max_len`): `tokens[i - n + 1 :
+    i + 1]` equals the last `n` tokens."""
+    end = len(tokens) - 1
+    last, lo = tokens[end], max(end - window + 1, 0)
+    i = lo - 1
+    while True:  # `list.index` scans in C
+        try:
+            i = tokens.index(last, i + 1, end)
+        except ValueError:
+            return
+        n = 1
+        while n < max_len and n <= i - lo and tokens[i - n] == tokens[end - n]:
+            n += 1
+        yield i, n
 
 
 @dataclass

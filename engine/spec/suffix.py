@@ -36,7 +36,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from engine.spec.speculative import PromptLookup
+from engine.spec.speculative import PromptLookup, earlier_matches
 
 ANCHOR = 3  # tokens of the corpus index's n-grams: the shortest match looked up there
 CONTEXT = 16  # prompt tokens kept before each output
@@ -101,7 +101,6 @@ class SuffixDrafter:
     def __init__(self, max_tokens: int = DEFAULT_TOKENS, window: int = 4096) -> None:
         self.max_tokens = max_tokens
         self.lookup = PromptLookup(window=window)  # the loop's drafter on the device
-        self.window = window
         self._corpora: dict[Hashable, _Corpus] = {}
         self._lru: OrderedDict[int, Hashable] = OrderedDict()  # entry -> namespace
         self._next = 0
@@ -149,18 +148,8 @@ class SuffixDrafter:
 
     def _in_sequence(self, tokens: list[int]) -> list[Candidate]:
         """Earlier occurrences of the sequence's last two tokens or more (prompt lookup's)."""
-        end = len(tokens) - 1
-        last, lo = tokens[end], max(end - self.window + 1, 0)
-        out: list[Candidate] = []
-        i = lo - 1
-        while True:
-            try:
-                i = tokens.index(last, i + 1, end)
-            except ValueError:
-                return out
-            n = _match(tokens, tokens, i, 1, lo)
-            if n >= 2:
-                out.append((tokens, i + 1, n))
+        return [(tokens, i + 1, n)
+                for i, n in earlier_matches(tokens, self.lookup.window, MAX_MATCH) if n >= 2]
 
     def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor,
                           k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,11 +158,11 @@ class SuffixDrafter:
         return self.lookup.propose_on_device(tokens, lengths, k)
 
 
-def _match(tokens: Sequence[int], source: Sequence[int], end: int, n: int, lo: int = 0) -> int:
+def _match(tokens: Sequence[int], source: Sequence[int], end: int, n: int) -> int:
     """How many tokens up to `source[end]` equal `tokens`' last ones, knowing the last `n`
-    do (at most MAX_MATCH; not before `source[lo]`)."""
+    do (at most MAX_MATCH)."""
     top = len(tokens) - 1
-    while n < MAX_MATCH and end - n >= lo and source[end - n] == tokens[top - n]:
+    while n < MAX_MATCH and end - n >= 0 and source[end - n] == tokens[top - n]:
         n += 1
     return n
 
