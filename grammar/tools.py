@@ -22,6 +22,7 @@ from typing import Literal, NotRequired, TypedDict
 
 import jsonschema
 
+from grammar.any_order import any_order_rules, lexemes
 from grammar.spec import (
     JSON_MAX_WHITESPACE,
     MAX_SPEC_BYTES,
@@ -161,16 +162,20 @@ def structural_tag(spec: ConstraintSpec) -> dict[str, object]:
 
 
 def tool_calls_lark(
-    spec: ConstraintSpec, rewrite: Callable[[object], object], json_options: dict[str, object]
+    spec: ConstraintSpec,
+    rewrite: Callable[[object], object],
+    json_options: dict[str, object],
+    any_order: bool = False,
 ) -> str:
     """The `required` / named-tool constraint as a Lark grammar with embedded JSON schemas
     (llguidance's `%json`, which enforces `required` and `anyOf` branches exactly where
-    xgrammar's structural tags are looser). Each tool's schema goes through `rewrite`.
+    xgrammar's structural tags are looser). Each tool's schema goes through `rewrite`; with
+    `any_order`, arguments take their keys in any order (`grammar.any_order`).
     ValueError for `auto`: free text until a trigger needs xgrammar's triggered tags."""
     payload, fmt = _payload(spec), call_format(spec)
     if payload["mode"] != "required":
         raise ValueError("only xgrammar's triggered tags express tool_choice 'auto'")
-    rules, names = [], []
+    rules, names, shared = [], [], []
     for i, t in enumerate(payload["tools"]):
         schema = rewrite(t["parameters"])
         schema = {} if schema is True else schema
@@ -178,7 +183,12 @@ def tool_calls_lark(
             raise ValueError(f"the parameters of {t['name']!r} are not an object schema")
         head = json.dumps(f"{t['name']}{fmt.args_head}")
         rules.append(f"call_{i}: {head} args_{i}")
-        rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': json_options})}")
+        written = any_order_rules(schema, json_options, f"t{i}_") if any_order else None
+        if written is None:
+            rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': json_options})}")
+        else:
+            rules += [f"args_{i}: {written[0]}", *written[1]]
+            shared = lexemes(JSON_MAX_WHITESPACE)
         names.append(f"call_{i}")
     sep = " SEP" if fmt.separator else ""
     calls = f"call ({sep} call)*" if payload["parallel"] else "call"
@@ -187,6 +197,7 @@ def tool_calls_lark(
         f"start: {calls}",
         f"call: {json.dumps(fmt.head)} ({' | '.join(names)}){end}",
         *([f"SEP: {json.dumps(fmt.separator)}"] if fmt.separator else []),
+        *shared,
         *rules,
     ])
 

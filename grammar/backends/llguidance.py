@@ -14,6 +14,7 @@ import llguidance as llg
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from grammar.any_order import any_order_lark
 from grammar.backend import Backend, BackendError, Matcher, bitmask_row
 from grammar.rewrite import ascii_digits, rewrite_schema
 from grammar.spec import JSON_MAX_WHITESPACE, ConstraintSpec
@@ -187,6 +188,10 @@ class LLGuidanceBackend(Backend):
             rewrite = partial(rewrite_schema, drop_keys=drop_keys, drop_formats=drop_formats,
                               overlaps=overlaps, cycles=cycles)  # fmt: skip
             try:
+                return self._check(to_llguidance(spec, rewrite, any_order=True)), rewrite
+            except BackendError:
+                pass  # the schema as llguidance's own JSON grammar tells what went wrong
+            try:
                 return self._check(to_llguidance(spec, rewrite)), rewrite
             except BackendError as e:
                 error = str(e)
@@ -220,18 +225,25 @@ class LLGuidanceBackend(Backend):
         return lambda: LLGuidanceMatcher(template.deep_copy(), stops)
 
 
-def to_llguidance(spec: ConstraintSpec, rewrite: Callable[[Any], Any] = lambda s: s) -> str:
-    """llguidance's grammar text for `spec`, its JSON schemas passed through `rewrite`;
-    BackendError when it cannot be translated."""
+def to_llguidance(
+    spec: ConstraintSpec, rewrite: Callable[[Any], Any] = lambda s: s, any_order: bool = False
+) -> str:
+    """llguidance's grammar text for `spec`, its JSON schemas passed through `rewrite`, and
+    with `any_order` its objects' properties in any order where that differs
+    (`grammar.any_order`); BackendError when it cannot be translated."""
     try:
         if spec.kind in ("json_object", "json_schema"):
             schema = rewrite(spec.schema())
             schema = {} if schema is True or schema is None else schema
+            lark = any_order_lark(schema, dict(JSON_OPTIONS), JSON_MAX_WHITESPACE) \
+                if any_order else None  # fmt: skip
+            if lark is not None:
+                return llg.LLMatcher.grammar_from_lark(lark)
             return llg.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), overrides=JSON_OPTIONS
             )
         if spec.kind == "tool_calls":
-            lark = tool_calls_lark(spec, rewrite, dict(JSON_OPTIONS))
+            lark = tool_calls_lark(spec, rewrite, dict(JSON_OPTIONS), any_order)
             return llg.LLMatcher.grammar_from_lark(lark)
         if spec.kind == "regex":
             assert isinstance(spec.payload, str)
