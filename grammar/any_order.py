@@ -41,7 +41,7 @@ MAX_PROPERTIES = 128  # declared properties of an object written in any order
 # llguidance compiles a Lark grammar ~3x slower than the JSON schema it stands for (median
 # 6.6 against 1.9 ms over the dev split); above this size, the ordered JSON grammar is kept so
 # that large schemas (Kubernetes, 100-350 KB of rules) do not pay 100-900 ms.
-MAX_GRAMMAR_BYTES = 48_000
+MAX_GRAMMAR_BYTES = 24_000
 DEFS = ("$defs", "definitions")
 # JSON Schema's keywords (drafts 3 to 2020-12) that constrain instances or hold subschemas;
 # any other key is an annotation.

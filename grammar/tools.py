@@ -166,11 +166,12 @@ def tool_calls_lark(
     rewrite: Callable[[object], object],
     json_options: dict[str, object],
     any_order: bool = False,
-) -> str:
+) -> str | None:
     """The `required` / named-tool constraint as a Lark grammar with embedded JSON schemas
     (llguidance's `%json`, which enforces `required` and `anyOf` branches exactly where
     xgrammar's structural tags are looser). Each tool's schema goes through `rewrite`; with
-    `any_order`, arguments take their keys in any order (`grammar.any_order`).
+    `any_order`, arguments take their keys in any order (`grammar.any_order`), and None where
+    no tool's arguments would differ.
     ValueError for `auto`: free text until a trigger needs xgrammar's triggered tags."""
     payload, fmt = _payload(spec), call_format(spec)
     if payload["mode"] != "required":
@@ -192,6 +193,8 @@ def tool_calls_lark(
         names.append(f"call_{i}")
     sep = " SEP" if fmt.separator else ""
     calls = f"call ({sep} call)*" if payload["parallel"] else "call"
+    if any_order and not shared:
+        return None
     end = f" {json.dumps(fmt.end)}" if fmt.end else ""  # Lark has no empty literal
     return "\n".join([
         f"start: {calls}",

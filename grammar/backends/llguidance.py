@@ -184,17 +184,17 @@ class LLGuidanceBackend(Backend):
         drop_formats: frozenset[str] = frozenset()
         overlaps: tuple[str, ...] = ()
         cycles = False
-        for _ in range(MAX_RETRIES):
+        for attempt in range(MAX_RETRIES):
             rewrite = partial(rewrite_schema, drop_keys=drop_keys, drop_formats=drop_formats,
                               overlaps=overlaps, cycles=cycles)  # fmt: skip
-            try:
-                return self._check(to_llguidance(spec, rewrite, any_order=True)), rewrite
-            except BackendError:
-                pass  # the schema as llguidance's own JSON grammar tells what went wrong
-            try:
-                return self._check(to_llguidance(spec, rewrite)), rewrite
+            if attempt == 0 and (grammar := self._any_order(spec, rewrite)):
+                return grammar, rewrite
+            try:  # llguidance's own JSON grammar: its errors name what to rewrite
+                grammar = self._check(to_llguidance(spec, rewrite))
             except BackendError as e:
                 error = str(e)
+            else:  # once the rewrite that compiles is found, one more any-order attempt
+                return (attempt and self._any_order(spec, rewrite) or grammar), rewrite
             if unknown := re.search(r"Unknown format:(.*)", error):
                 drop_formats |= {unknown.group(1).strip()}
                 continue
@@ -211,6 +211,15 @@ class LLGuidanceBackend(Backend):
             drop_keys |= more
         raise BackendError(error)
 
+    def _any_order(self, spec: ConstraintSpec, rewrite: Callable[[Any], Any]) -> str | None:
+        """The any-order grammar of `spec` (`grammar.any_order`), None where there is none or
+        llguidance refuses it (the ordered JSON grammar then stands)."""
+        try:
+            grammar = any_order_llguidance(spec, rewrite)
+            return None if grammar is None else self._check(grammar)
+        except (BackendError, ValueError):  # ValueError: llguidance's, on the Lark text
+            return None
+
     def _check(self, grammar: str) -> str:
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
@@ -225,25 +234,17 @@ class LLGuidanceBackend(Backend):
         return lambda: LLGuidanceMatcher(template.deep_copy(), stops)
 
 
-def to_llguidance(
-    spec: ConstraintSpec, rewrite: Callable[[Any], Any] = lambda s: s, any_order: bool = False
-) -> str:
-    """llguidance's grammar text for `spec`, its JSON schemas passed through `rewrite`, and
-    with `any_order` its objects' properties in any order where that differs
-    (`grammar.any_order`); BackendError when it cannot be translated."""
+def to_llguidance(spec: ConstraintSpec, rewrite: Callable[[Any], Any] = lambda s: s) -> str:
+    """llguidance's grammar text for `spec`, its JSON schemas passed through `rewrite`;
+    BackendError when it cannot be translated."""
     try:
         if spec.kind in ("json_object", "json_schema"):
-            schema = rewrite(spec.schema())
-            schema = {} if schema is True or schema is None else schema
-            lark = any_order_lark(schema, dict(JSON_OPTIONS), JSON_MAX_WHITESPACE) \
-                if any_order else None  # fmt: skip
-            if lark is not None:
-                return llg.LLMatcher.grammar_from_lark(lark)
             return llg.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), overrides=JSON_OPTIONS
+                json.dumps(_schema(spec, rewrite)), overrides=JSON_OPTIONS
             )
         if spec.kind == "tool_calls":
-            lark = tool_calls_lark(spec, rewrite, dict(JSON_OPTIONS), any_order)
+            lark = tool_calls_lark(spec, rewrite, dict(JSON_OPTIONS))
+            assert lark is not None  # not asked in any order
             return llg.LLMatcher.grammar_from_lark(lark)
         if spec.kind == "regex":
             assert isinstance(spec.payload, str)
@@ -258,6 +259,25 @@ def to_llguidance(
     except Exception as e:  # ValueError, or the GBNF converter's own errors
         raise BackendError(_first_line(str(e) or type(e).__name__)) from e
     raise BackendError(f"unknown constraint kind {spec.kind!r}")
+
+
+def any_order_llguidance(spec: ConstraintSpec, rewrite: Callable[[Any], Any]) -> str | None:
+    """llguidance's grammar text for `spec` with its objects' members in any order
+    (`grammar.any_order`), or None where that would not differ from `to_llguidance`'s."""
+    lark = None
+    if spec.kind in ("json_object", "json_schema"):
+        lark = any_order_lark(_schema(spec, rewrite), dict(JSON_OPTIONS), JSON_MAX_WHITESPACE)
+    elif spec.kind == "tool_calls":
+        try:
+            lark = tool_calls_lark(spec, rewrite, dict(JSON_OPTIONS), any_order=True)
+        except ValueError:  # tool_choice auto: not a Lark grammar
+            return None
+    return None if lark is None else llg.LLMatcher.grammar_from_lark(lark)
+
+
+def _schema(spec: ConstraintSpec, rewrite: Callable[[Any], Any]) -> Any:
+    schema = rewrite(spec.schema())
+    return {} if schema is True or schema is None else schema
 
 
 def _unimplemented(error: str) -> frozenset[str] | None:
