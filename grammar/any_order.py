@@ -99,10 +99,10 @@ def any_order_rules(
     writer = _Writer(schema, json_options, prefix)
     if not writer.gains(schema):
         return None
-    start = writer.rule(schema)
-    if sum(map(len, writer.lines)) > MAX_GRAMMAR_BYTES:
+    try:
+        return writer.rule(schema), writer.lines
+    except _TooLarge:
         return None
-    return start, writer.lines
 
 
 def lexemes(max_ws: int) -> list[str]:
@@ -142,6 +142,10 @@ def _unescape(segment: str) -> str:
     return urllib.parse.unquote(segment).replace("~1", "/").replace("~0", "~")
 
 
+class _TooLarge(Exception):
+    """The rules passed MAX_GRAMMAR_BYTES."""
+
+
 class _Writer:
     """Writes rules for the nodes of one schema; `lines` holds them in order."""
 
@@ -155,6 +159,13 @@ class _Writer:
         self._gains: dict[int, bool] = {}
         self._alternatives: dict[int, list[object] | None] = {}
         self._leaves: dict[str, str] = {}  # a leaf's body -> its rule
+        self.size = 0  # bytes in `lines`
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        self.size += len(line)
+        if self.size > MAX_GRAMMAR_BYTES:
+            raise _TooLarge
 
     def _new_name(self) -> str:
         self._count = getattr(self, "_count", -1) + 1
@@ -340,7 +351,7 @@ class _Writer:
             body = _native(node) or self.leaf(node)
             if body not in self._leaves:
                 self._leaves[body] = self._new_name()
-                self.lines.append(f"{self._leaves[body]}: {body}")
+                self.add(f"{self._leaves[body]}: {body}")
             self._names[key] = self._leaves[body]
             return self._leaves[body]
         name = self._names[key] = self._new_name()
@@ -360,7 +371,7 @@ class _Writer:
             body = self.object_rule(name, node)
             if "type" not in node:  # object keywords constrain objects only
                 body += " | " + self.leaf({"type": [t for t in TYPES if t != "object"]})
-        self.lines.append(f"{name}: {body}")
+        self.add(f"{name}: {body}")
         return name
 
     def object_rule(self, name: str, node: dict[str, Any]) -> str:
@@ -375,18 +386,18 @@ class _Writer:
         names = " | ".join(map(_literal, {**node.get("properties", {}), **allowed}))
         other = f" & ~({names})" if names else ""
         if pattern is not None:  # untracked keys: "" and "/" never name a property here
-            self.lines.append(f"{name.upper()}_PAT: STRING & /\"{pattern[0]}\"/{other}")
+            self.add(f"{name.upper()}_PAT: STRING & /\"{pattern[0]}\"/{other}")
             pairs["/"] = f"{name.upper()}_PAT COLON {self.rule(pattern[1])}"
             other += f" & ~{name.upper()}_PAT"
         if extra is not False:
-            self.lines.append(f"{name.upper()}_KEY: STRING{other}")
+            self.add(f"{name.upper()}_KEY: STRING{other}")
             pairs[""] = f"{name.upper()}_KEY COLON {self.rule(extra)}"
         if not pairs:
             return "EMPTY_OBJECT"
         # Keys no state tracks (untracked properties, undeclared keys) are one shared rule.
         members = {k: pair for k, pair in pairs.items() if k in bit}
         if len(members) < len(pairs):
-            self.lines.append(f"{name}_any: " + " | ".join(p for k, p in pairs.items()
+            self.add(f"{name}_any: " + " | ".join(p for k, p in pairs.items()
                                                            if k not in bit))  # fmt: skip
             members[""] = f"{name}_any"
         todo, seen = [0], {0}
@@ -406,7 +417,7 @@ class _Writer:
                     alts.append(f"{member} COMMA {rest}")
                 else:
                     alts.append(f"{member} (COMMA {rest})?" if more else member)
-            self.lines.append(f"{name}_s{mask}: " + " | ".join(alts))
+            self.add(f"{name}_s{mask}: " + " | ".join(alts))
         return f"LBRACE {name}_s0 RBRACE" + ("" if need else " | EMPTY_OBJECT")
 
     def leaf(self, node: object) -> str:
