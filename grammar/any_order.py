@@ -36,7 +36,7 @@ from typing import Any
 from grammar.rewrite import ascii_digits
 
 EXACT_UP_TO = 3  # objects of this many properties or fewer track every key: no repeats
-MAX_TRACKED = 4  # required keys an object rule tracks: at most 2**4 states
+MAX_TRACKED = 5  # required keys an object rule tracks: at most 2**5 states
 MAX_PROPERTIES = 128  # declared properties of an object written in any order
 # llguidance compiles a Lark grammar ~3x slower than the JSON schema it stands for (median
 # 6.6 against 1.9 ms over the dev split); above this size, the ordered JSON grammar is kept so
@@ -189,7 +189,7 @@ class _Writer:
             return "any_of"
         if keys & MEMBERS and keys <= OBJECT_KEYS and node.get("type", "object") == "object":
             return "object" if self.fields(node) is not None else "leaf"
-        if keys <= ARRAY_KEYS and node.get("type") == "array" and \
+        if keys <= ARRAY_KEYS and node.get("type") in ("array", ["array"]) and \
                 isinstance(node.get("items"), dict) and node.get("minItems", 0) in (0, 1):
             return "array"
         return "leaf"
@@ -213,11 +213,13 @@ class _Writer:
                 keys & MEMBERS and set(kind) <= set(TYPES):
             others = [t for t in kind if t != "object"]
             return [{**node, "type": "object"}, *([{"type": others}] if others else [])]
-        if len(union) != 1 or not keys - {union[0]} <= OBJECT_KEYS or not keys & MEMBERS:
+        if len(union) != 1 or not keys - {union[0]} <= OBJECT_KEYS or \
+                node.get("type", "object") != "object":  # fmt: skip
             return None
         out: list[object] = []
         for branch in node[union[0]] if isinstance(node[union[0]], list) else ():
-            merged = _merge_fragment({k: v for k, v in node.items() if k != union[0]}, branch)
+            plain = {k: v for k, v in node.items() if k in OBJECT_KEYS}  # no defs, no ids
+            merged = _merge_fragment(plain, self.resolve(branch))
             if merged is None:
                 return None
             out.append(merged)
@@ -486,21 +488,36 @@ def _native(node: object) -> str | None:
 
 
 def _merge_fragment(node: dict[str, Any], branch: object) -> dict[str, Any] | None:
-    """`node` (an object schema) and a union's branch that only adds properties and required
-    keys, as one schema; None where they do not merge that simply."""
-    if not isinstance(branch, dict):
+    """`node` (an object schema) and a union's branch (an object schema too) as one schema,
+    where their keywords merge exactly: properties (each as `_both`), required keys, and an
+    `additionalProperties` that never meets a property only the other side declares; None
+    where they do not."""
+    if not isinstance(branch, dict) or not set(branch) & KEYWORDS <= OBJECT_KEYS:
         return None
-    extra = set(branch) & KEYWORDS - {"properties", "required", "type"}
-    if extra or branch.get("type", "object") != "object":
+    if branch.get("type", "object") != "object" or "patternProperties" in node or \
+            "patternProperties" in branch:  # fmt: skip
         return None
-    props = dict(node.get("properties", {}))
-    for k, v in branch.get("properties", {}).items():
+    mine, theirs = node.get("properties", {}), branch.get("properties", {})
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return None
+    extra = node.get("additionalProperties", True), branch.get("additionalProperties", True)
+    if extra[0] is not True and set(theirs) - set(mine) or \
+            extra[1] is not True and set(mine) - set(theirs) or \
+            extra[0] is not True and extra[1] is not True and extra[0] != extra[1]:  # fmt: skip
+        return None  # an undeclared key's schema meets a property, or two of them meet
+    props = dict(mine)
+    for k, v in theirs.items():
         both = _both(props.get(k, True), v)
         if both is None:
             return None  # an intersection this does not write
         props[k] = both
     required = [*node.get("required", []), *branch.get("required", [])]
-    return {**node, "properties": props, "required": list(dict.fromkeys(required))}
+    merged = {**node, "properties": props, "required": list(dict.fromkeys(required))}
+    if extra[1] is not True:
+        merged["additionalProperties"] = extra[1]
+    if "type" in branch:
+        merged["type"] = "object"
+    return merged
 
 
 def _both(a: object, b: object) -> object | None:

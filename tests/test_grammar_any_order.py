@@ -162,6 +162,26 @@ def test_an_object_beside_a_one_of_of_fragments(backend, accepts):
     ])  # fmt: skip
 
 
+def test_an_object_type_beside_a_one_of_of_objects(backend, accepts):
+    # jsend's envelope: {"type": "object", "oneOf": [{"$ref": ...}, ...]}.
+    schema = {"type": "object", "oneOf": [{"$ref": "#/$defs/ok"}, {"$ref": "#/$defs/err"}],
+              "$defs": {"ok": {"properties": {"status": {"const": "ok"}, "data": {"type":
+              "integer"}}, "required": ["status", "data"]}, "err": {"properties": {"status":
+              {"const": "err"}, "message": {"type": "string"}}, "required": ["status",
+              "message"], "additionalProperties": False}}}  # fmt: skip
+    check(accepts, compiled(backend, schema), schema, [
+        {"data": 1, "status": "ok"}, {"message": "m", "status": "err"}, {"status": "ok"},
+        {"status": "err", "message": "m", "x": 1}, {"data": 1, "status": "ok", "x": [1]}, 5,
+    ])  # fmt: skip
+    # A closed object does not take a key only a branch declares: that union stays a leaf.
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}, "c": {"type":
+              "integer"}}, "additionalProperties": False, "oneOf": [{"properties": {"b":
+              {"type": "integer"}}}]}  # fmt: skip
+    wrapped = {"type": "object", "properties": {"x": closed, "y": {"type": "string"}}}
+    check(accepts, compiled(backend, wrapped), wrapped,
+          [{"x": {"a": 1, "c": 1}, "y": ""}, {"x": {"a": 1, "b": 2}}])  # the leaf: in order
+
+
 def test_large_objects_track_their_required_keys(backend, accepts):
     props = {f"p{i}": {"type": "integer"} for i in range(8)}  # over EXACT_UP_TO
     schema = {"type": "object", "properties": props, "required": ["p7", "p2"],
