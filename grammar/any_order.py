@@ -33,7 +33,9 @@ import re
 import urllib.parse
 from typing import Any
 
-from grammar.rewrite import ascii_digits
+from grammar.lark_json import key_regex, lexemes, literal, scalars
+from grammar.merge import OBJECT_KEYWORDS, merge_object_branch
+from grammar.spec import SCHEMA_KEYWORDS
 
 EXACT_UP_TO = 3  # objects of this many properties or fewer track every key: no repeats
 MAX_TRACKED = 5  # required keys an object rule tracks: at most 2**5 states
@@ -43,41 +45,12 @@ MAX_PROPERTIES = 128  # declared properties of an object written in any order
 # that large schemas (Kubernetes, 100-350 KB of rules) do not pay 100-900 ms.
 MAX_GRAMMAR_BYTES = 24_000
 DEFS = ("$defs", "definitions")
-# JSON Schema's keywords (drafts 3 to 2020-12) that constrain instances or hold subschemas;
-# any other key is an annotation.
-KEYWORDS = frozenset(
-    {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
-     "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
-     "uniqueItems", "maxContains", "minContains", "contains", "items", "additionalItems",
-     "prefixItems", "unevaluatedItems", "maxProperties", "minProperties", "required",
-     "properties", "patternProperties", "additionalProperties", "unevaluatedProperties",
-     "propertyNames", "dependencies", "dependentRequired", "dependentSchemas", "allOf", "anyOf",
-     "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef", "disallow",
-     "extends", "divisibleBy", "contentEncoding", "contentMediaType", "$id", "id", "$anchor",
-     "$dynamicAnchor", "$recursiveAnchor", *DEFS}
-)  # fmt: skip
-OBJECT_KEYS = frozenset({"type", "properties", "required", "additionalProperties",
-                         "patternProperties"})  # fmt: skip
 MEMBERS = frozenset({"properties", "patternProperties", "additionalProperties"})
 ARRAY_KEYS = frozenset({"type", "items", "minItems"})
 UNIONS = ("anyOf", "oneOf")
 TYPES = ("object", "string", "number", "integer", "boolean", "null", "array")
 DATA = frozenset({"enum", "const", "default", "examples"})  # instances, not schemas
 BASES = frozenset({"$id", "id", "$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef"})
-# Punctuation lexemes, `_` where whitespace may go. Whitespace is part of the lexemes, never
-# an %ignore'd one: llguidance fails on an ignored lexeme right before a `%json` leaf. Each
-# place takes it on one side only, and empty containers are one lexeme, so no more of it passes
-# than llguidance's own JSON grammar lets through.
-PUNCTUATION = {"LBRACE": r"\{_", "RBRACE": r"_\}", "EMPTY_OBJECT": r"\{_\}", "LBRACK": r"\[_",
-               "RBRACK": r"_\]", "EMPTY_ARRAY": r"\[_\]", "COMMA": "_,_", "COLON": "_:_"}
-SCALARS = {"string": "STRING", "integer": "INTEGER", "number": "NUMBER",
-           "boolean": '"true" | "false"', "null": '"null"'}  # fmt: skip
-INTEGER = r"/-?(?:0|[1-9][0-9]*)/"
-NUMBER = r"/-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?/"
-STRING = r'/"(?:[^"\\\x00-\x1f\x7f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/'
-# Key patterns written as lexemes over the key's JSON text: plain characters, classes,
-# groups and repeats, `\d`, escaped punctuation, `^` first and `$` last; no escapes in keys.
-SIMPLE_PATTERN = re.compile(r"\^?(?:[A-Za-z0-9_\-.*+?()\[\]{},:/@ ]|\\[d.\-/])*\$?")
 
 
 def any_order_lark(schema: object, json_options: dict[str, Any], max_ws: int) -> str | None:
@@ -103,13 +76,6 @@ def any_order_rules(
         return writer.rule(schema), writer.lines
     except _TooLarge:
         return None
-
-
-def lexemes(max_ws: int) -> list[str]:
-    """The lexemes the rules use, with up to `max_ws` spaces where JSON allows whitespace."""
-    ws = f"[ ]{{0,{max_ws}}}"
-    return [*(f"{name}: /{regex.replace('_', ws)}/" for name, regex in PUNCTUATION.items()),
-            f"STRING: {STRING}", f"INTEGER: {INTEGER}", f"NUMBER: {NUMBER}"]  # fmt: skip
 
 
 def _local_refs_only(node: object, root: bool = True) -> bool:
@@ -174,8 +140,8 @@ class _Writer:
     # -- what each node is ------------------------------------------------------------------
 
     def keys(self, node: dict[str, Any]) -> set[str]:
-        """The keywords of `node` that constrain instances."""
-        keys = set(node) & KEYWORDS - {"$id", "id", "$anchor"}  # local refs only: annotations
+        """The keywords of `node` that constrain instances (ids: annotations, refs being local)."""
+        keys = set(node) & SCHEMA_KEYWORDS - {"$id", "id", "$anchor"}
         return keys - set(DEFS) if node is self.root else keys
 
     def kind(self, node: object) -> str:
@@ -187,7 +153,7 @@ class _Writer:
             return "ref"
         if self.alternatives(node) is not None:
             return "any_of"
-        if keys & MEMBERS and keys <= OBJECT_KEYS and node.get("type", "object") == "object":
+        if keys & MEMBERS and keys <= OBJECT_KEYWORDS and node.get("type", "object") == "object":
             return "object" if self.fields(node) is not None else "leaf"
         if keys <= ARRAY_KEYS and node.get("type") in ("array", ["array"]) and \
                 isinstance(node.get("items"), dict) and node.get("minItems", 0) in (0, 1):
@@ -209,17 +175,17 @@ class _Writer:
         if len(union) == 1 and keys == set(union) and isinstance(node[union[0]], list):
             return list(node[union[0]])
         kind = node.get("type")
-        if isinstance(kind, list) and "object" in kind and keys <= OBJECT_KEYS and \
+        if isinstance(kind, list) and "object" in kind and keys <= OBJECT_KEYWORDS and \
                 keys & MEMBERS and set(kind) <= set(TYPES):
             others = [t for t in kind if t != "object"]
             return [{**node, "type": "object"}, *([{"type": others}] if others else [])]
-        if len(union) != 1 or not keys - {union[0]} <= OBJECT_KEYS or \
+        if len(union) != 1 or not keys - {union[0]} <= OBJECT_KEYWORDS or \
                 node.get("type", "object") != "object":  # fmt: skip
             return None
         out: list[object] = []
         for branch in node[union[0]] if isinstance(node[union[0]], list) else ():
-            plain = {k: v for k, v in node.items() if k in OBJECT_KEYS}  # no defs, no ids
-            merged = _merge_fragment(plain, self.resolve(branch))
+            plain = {k: v for k, v in node.items() if k in OBJECT_KEYWORDS}  # no defs, no ids
+            merged = merge_object_branch(plain, self.resolve(branch))
             if merged is None:
                 return None
             out.append(merged)
@@ -239,7 +205,7 @@ class _Writer:
             return None
         pattern = None
         for regex, schema in patterns.items():
-            content = _key_regex(regex)
+            content = key_regex(regex)
             if content is None or any(re.search(regex, k) for k in (*props, *required)):
                 return None  # a declared key under a pattern meets both subschemas
             pattern = (content, schema)
@@ -384,8 +350,8 @@ class _Writer:
         tracked = [k for k in keys if k in required or len(keys) <= EXACT_UP_TO]
         bit = {k: 1 << i for i, k in enumerate(tracked)}
         need = sum(bit[k] for k in required)
-        pairs = {k: f"{_literal(k)} COLON {self.rule(v)}" for k, v in allowed.items()}
-        names = " | ".join(map(_literal, {**node.get("properties", {}), **allowed}))
+        pairs = {k: f"{literal(k)} COLON {self.rule(v)}" for k, v in allowed.items()}
+        names = " | ".join(map(literal, {**node.get("properties", {}), **allowed}))
         other = f" & ~({names})" if names else ""
         if pattern is not None:  # untracked keys: "" and "/" never name a property here
             self.add(f"{name.upper()}_PAT: STRING & /\"{pattern[0]}\"/{other}")
@@ -427,7 +393,7 @@ class _Writer:
         draft and the definitions its references reach."""
         schema: dict[str, Any] = {"x-guidance": self.options}
         if isinstance(node, dict):
-            schema = {**{k: v for k, v in node.items() if k in KEYWORDS and k not in DEFS},
+            schema = {**{k: v for k, v in node.items() if k in SCHEMA_KEYWORDS and k not in DEFS},
                       **schema}  # fmt: skip
         elif node is False:
             schema["not"] = {}
@@ -457,7 +423,7 @@ def _value_types(node: object) -> set[str]:
     if not isinstance(node, dict):
         return set(TYPES) - {"integer"}
     kind = node.get("type")
-    if isinstance(kind, str | list) and set(node) & KEYWORDS & {"anyOf", "oneOf", "allOf",
+    if isinstance(kind, str | list) and set(node) & SCHEMA_KEYWORDS & {"anyOf", "oneOf", "allOf",
                                                                  "$ref"} == set():  # fmt: skip
         kinds = {kind} if isinstance(kind, str) else set(kind)
         return {"number" if t == "integer" else t for t in kinds}
@@ -473,76 +439,14 @@ def _native(node: object) -> str | None:
     """A Lark body for a leaf that needs no JSON grammar: scalar types, string enums."""
     if not isinstance(node, dict):
         return None
-    keys = set(node) & KEYWORDS - {"$id", "id", "$anchor"}
+    keys = set(node) & SCHEMA_KEYWORDS - {"$id", "id", "$anchor"}
     if keys == {"type"}:
-        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
-        if types and all(isinstance(t, str) and t in SCALARS for t in types):
-            if "number" in types:  # integers are numbers: one lexeme for both
-                types = [t for t in types if t != "integer"]
-            return " | ".join(SCALARS[t] for t in dict.fromkeys(types))
+        return scalars(node["type"] if isinstance(node["type"], list) else [node["type"]])
     if keys in ({"enum"}, {"const"}):
         values = node["enum"] if keys == {"enum"} else [node["const"]]
         if isinstance(values, list) and values and all(isinstance(v, str) for v in values):
-            return " | ".join(_literal(v) for v in dict.fromkeys(values))
+            return " | ".join(literal(v) for v in dict.fromkeys(values))
     return None
-
-
-def _merge_fragment(node: dict[str, Any], branch: object) -> dict[str, Any] | None:
-    """`node` (an object schema) and a union's branch (an object schema too) as one schema,
-    where their keywords merge exactly: properties (each as `_both`), required keys, and an
-    `additionalProperties` that never meets a property only the other side declares; None
-    where they do not."""
-    if not isinstance(branch, dict) or not set(branch) & KEYWORDS <= OBJECT_KEYS:
-        return None
-    if branch.get("type", "object") != "object" or "patternProperties" in node or \
-            "patternProperties" in branch:  # fmt: skip
-        return None
-    mine, theirs = node.get("properties", {}), branch.get("properties", {})
-    if not isinstance(mine, dict) or not isinstance(theirs, dict):
-        return None
-    extra = node.get("additionalProperties", True), branch.get("additionalProperties", True)
-    if extra[0] is not True and set(theirs) - set(mine) or \
-            extra[1] is not True and set(mine) - set(theirs) or \
-            extra[0] is not True and extra[1] is not True and extra[0] != extra[1]:  # fmt: skip
-        return None  # an undeclared key's schema meets a property, or two of them meet
-    props = dict(mine)
-    for k, v in theirs.items():
-        both = _both(props.get(k, True), v)
-        if both is None:
-            return None  # an intersection this does not write
-        props[k] = both
-    required = [*node.get("required", []), *branch.get("required", [])]
-    merged = {**node, "properties": props, "required": list(dict.fromkeys(required))}
-    if extra[1] is not True:
-        merged["additionalProperties"] = extra[1]
-    if "type" in branch:
-        merged["type"] = "object"
-    return merged
-
-
-def _both(a: object, b: object) -> object | None:
-    """A schema for `a` and `b` both, where one is trivially it; else None."""
-    if a is False or b is False:
-        return False
-    if a in (True, {}) or a == b:
-        return b
-    return a if b in (True, {}) else None
-
-
-def _key_regex(pattern: str) -> str | None:
-    """A `patternProperties` regex (which searches the key) as the content of a key lexeme
-    over its JSON text, for simple patterns (SIMPLE_PATTERN); None for others."""
-    if not SIMPLE_PATTERN.fullmatch(pattern) or "|" in pattern or pattern.endswith("\\$"):
-        return None
-    head = "" if pattern.startswith("^") else ".*"
-    body = pattern.removeprefix("^")
-    tail = ".*"
-    if body.endswith("$"):
-        body, tail = body[:-1], ""
-    if "^" in body or "$" in body or '"' in body:
-        return None
-    body = ascii_digits(body.replace("\\/", "/"))
-    return f"{head}(?:{body}){tail}".replace("/", "\\/")
 
 
 def _refs(node: object) -> list[str]:
@@ -555,8 +459,3 @@ def _refs(node: object) -> list[str]:
     if isinstance(node, list):
         return [r for v in node for r in _refs(v)]
     return []
-
-
-def _literal(key: str) -> str:
-    """A Lark literal of the key as JSON writes it (`"a"`, quotes included)."""
-    return json.dumps(json.dumps(key, ensure_ascii=False), ensure_ascii=False)

@@ -5,15 +5,23 @@ united, `properties` merged (a property in both becomes the two schemas' merge, 
 (`if`/`then`/`else`, `items`/`prefixItems`, draft 4's `exclusiveMinimum: true` with its
 `minimum`). `additionalProperties` is read against its own node's `properties`, so a branch
 merges only where each side's names still cover the same properties. Where a keyword cannot
-merge, nothing does: the branch stays in allOf.
+merge, nothing does: the branch stays in allOf. `merge_object_branch` is the simple case for
+`grammar.any_order`: an object schema and one oneOf/anyOf branch of object keywords.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from grammar.contradictions import Path, meet, types_of, value_key
+from grammar.spec import SCHEMA_KEYWORDS
 
+if TYPE_CHECKING:
+    from typing import Any
+
+OBJECT_KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties",
+                             "patternProperties"})  # fmt: skip
 # Merges two schemas (a's place, b's place); None where a's place cannot change.
 Both = Callable[[object, Path, object, Path], object | None]
 REFS = ("$ref", "$dynamicRef", "$recursiveRef")
@@ -168,3 +176,45 @@ def _same_group(base: dict[str, object], b: dict[str, object], group: frozenset[
 def same(a: object, b: object) -> bool:
     """JSON equality (Python's `==` also has 1 == true, so it only rules out)."""
     return a is b or (a == b and value_key(a) == value_key(b))
+
+
+def merge_object_branch(node: dict[str, Any], branch: object) -> dict[str, Any] | None:
+    """`node` (an object schema) and a oneOf/anyOf branch (an object schema too) as one
+    schema, where their keywords merge exactly: properties (each as `_trivially_both`),
+    required keys, and an `additionalProperties` that never meets a property only the other
+    side declares; None where they do not."""
+    if not isinstance(branch, dict) or not set(branch) & SCHEMA_KEYWORDS <= OBJECT_KEYWORDS:
+        return None
+    if branch.get("type", "object") != "object" or "patternProperties" in node or \
+            "patternProperties" in branch:  # fmt: skip
+        return None
+    mine, theirs = node.get("properties", {}), branch.get("properties", {})
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return None
+    extra = node.get("additionalProperties", True), branch.get("additionalProperties", True)
+    if extra[0] is not True and set(theirs) - set(mine) or \
+            extra[1] is not True and set(mine) - set(theirs) or \
+            extra[0] is not True and extra[1] is not True and extra[0] != extra[1]:  # fmt: skip
+        return None  # an undeclared key's schema meets a property, or two of them meet
+    props = dict(mine)
+    for k, v in theirs.items():
+        both = _trivially_both(props.get(k, True), v)
+        if both is None:
+            return None  # an intersection this does not write
+        props[k] = both
+    required = [*node.get("required", []), *branch.get("required", [])]
+    merged = {**node, "properties": props, "required": list(dict.fromkeys(required))}
+    if extra[1] is not True:
+        merged["additionalProperties"] = extra[1]
+    if "type" in branch:
+        merged["type"] = "object"
+    return merged
+
+
+def _trivially_both(a: object, b: object) -> object | None:
+    """A schema for `a` and `b` both, where one is trivially it; else None."""
+    if a is False or b is False:
+        return False
+    if a in (True, {}) or same(a, b):
+        return b
+    return a if b in (True, {}) else None

@@ -42,6 +42,19 @@ _VLLM_OPTIONS = {
 
 # Keywords whose values are instances, not subschemas: a "$ref" inside them is data.
 DATA_KEYWORDS = ("enum", "const", "default", "examples")
+# JSON Schema's keywords (drafts 3 to 2020-12) that constrain instances or hold subschemas;
+# any other key is an annotation.
+SCHEMA_KEYWORDS = frozenset(
+    {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+     "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
+     "uniqueItems", "maxContains", "minContains", "contains", "items", "additionalItems",
+     "prefixItems", "unevaluatedItems", "maxProperties", "minProperties", "required",
+     "properties", "patternProperties", "additionalProperties", "unevaluatedProperties",
+     "propertyNames", "dependencies", "dependentRequired", "dependentSchemas", "allOf", "anyOf",
+     "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef", "disallow",
+     "extends", "divisibleBy", "contentEncoding", "contentMediaType", "$id", "id", "$anchor",
+     "$dynamicAnchor", "$recursiveAnchor", "$defs", "definitions"}
+)  # fmt: skip
 
 
 class GrammarError(ValueError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -180,11 +181,10 @@ class LLGuidanceBackend(Backend):
         compiled from: each error llguidance names that a rewrite answers (an unknown format,
         overlapping patterns, a cycle of references with keywords beside it, a keyword the
         relaxed mode may drop) is retried under that rewrite."""
-        drop_keys: frozenset[str] = frozenset()
-        drop_formats: frozenset[str] = frozenset()
-        overlaps: tuple[str, ...] = ()
-        cycles = False
+        drop_formats, overlaps, cycles, drop_keys = _LEARNED.get(spec.key, _NOTHING_LEARNED)
+        drop_keys = drop_keys if self.relaxed else frozenset()
         for attempt in range(MAX_RETRIES):
+            _learn(spec.key, (drop_formats, overlaps, cycles, drop_keys))
             rewrite = partial(rewrite_schema, drop_keys=drop_keys, drop_formats=drop_formats,
                               overlaps=overlaps, cycles=cycles)  # fmt: skip
             if attempt == 0 and (grammar := self._any_order(spec, rewrite)):
@@ -278,6 +278,24 @@ def any_order_llguidance(spec: ConstraintSpec, rewrite: Callable[[Any], Any]) ->
 def _schema(spec: ConstraintSpec, rewrite: Callable[[Any], Any]) -> Any:
     schema = rewrite(spec.schema())
     return {} if schema is True or schema is None else schema
+
+
+# What compiling a spec taught (formats to drop, patterns to merge, cycles to rewrite, keywords
+# the relaxed mode dropped), by spec key: the relaxed mode, which runs after strict llguidance
+# failed on the same spec, and a recompile after the cache let the grammar go start from there
+# instead of finding each rewrite again, one failed compile apiece.
+Learned = tuple[frozenset[str], tuple[str, ...], bool, frozenset[str]]
+_NOTHING_LEARNED: Learned = (frozenset(), (), False, frozenset())
+_LEARNED: OrderedDict[str, Learned] = OrderedDict()
+LEARNED_SPECS = 256
+
+
+def _learn(key: str, learned: Learned) -> None:
+    if learned != _NOTHING_LEARNED:
+        _LEARNED[key] = learned
+        _LEARNED.move_to_end(key)
+        if len(_LEARNED) > LEARNED_SPECS:
+            _LEARNED.popitem(last=False)
 
 
 def _unimplemented(error: str) -> frozenset[str] | None:
