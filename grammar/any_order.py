@@ -9,7 +9,9 @@ grammar (`%json` leaves):
 - an object rule walks the set of keys written so far: each member is a declared property not
   yet written, a key its one `patternProperties` regex matches (simple regexes only), or an
   undeclared key (a string other than the declared names) where `additionalProperties` allows
-  one; the object may close once every `required` key is in. Exact when the object declares at
+  one; the object may close once every `required` key is in. Pattern and undeclared keys come
+  only once the required keys are in (llguidance puts them after every declared one): a guide
+  for the model, stricter than the schema. Exact when the object declares at
   most EXACT_UP_TO properties; above that only the required ones are tracked (2**MAX_TRACKED
   states at most), and an optional property may repeat, which JSON parsers read as its last
   value, checked by `check_output` like any other output;
@@ -363,17 +365,20 @@ class _Writer:
         if not pairs:
             return "EMPTY_OBJECT"
         # Keys no state tracks (untracked properties, undeclared keys) are one shared rule.
+        # Untracked properties are one shared rule; undeclared keys another, which comes only
+        # once every required key is in (as llguidance's own grammar puts them after).
         members = {k: pair for k, pair in pairs.items() if k in bit}
-        if len(members) < len(pairs):
-            self.add(f"{name}_any: " + " | ".join(p for k, p in pairs.items()
-                                                           if k not in bit))  # fmt: skip
-            members[""] = f"{name}_any"
+        for group, keys in (("any", [k for k in pairs if k not in bit and k in allowed]),
+                            ("undeclared", [k for k in ("/", "") if k in pairs])):
+            if keys:
+                self.add(f"{name}_{group}: " + " | ".join(pairs[k] for k in keys))
+                members[group] = f"{name}_{group}"
         todo, seen = [0], {0}
         while todo:
             mask = todo.pop()
             alts = []
             for k, member in members.items():
-                if mask & bit.get(k, 0):
+                if mask & bit.get(k, 0) or (k == "undeclared" and mask & need != need):
                     continue
                 after = mask | bit.get(k, 0)
                 more = any(not after & bit.get(j, 0) for j in members)
