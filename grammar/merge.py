@@ -179,39 +179,16 @@ def same(a: object, b: object) -> bool:
 
 
 def merge_object_branch(node: dict[str, Any], branch: object) -> dict[str, Any] | None:
-    """`node` (an object schema) and a oneOf/anyOf branch (an object schema too) as one
-    schema, where their keywords merge exactly: properties (each as `_trivially_both`),
-    required keys, and an `additionalProperties` that never meets a property only the other
-    side declares; None where they do not."""
+    """`node` (an object schema) and a oneOf/anyOf branch of object keywords as one schema,
+    merged by `absorb` where a property in both is trivially one of them; None where they
+    do not merge that way."""
     if not isinstance(branch, dict) or not set(branch) & SCHEMA_KEYWORDS <= OBJECT_KEYWORDS:
         return None
-    if branch.get("type", "object") != "object" or "patternProperties" in node or \
-            "patternProperties" in branch:  # fmt: skip
-        return None
-    mine, theirs = node.get("properties", {}), branch.get("properties", {})
-    if not isinstance(mine, dict) or not isinstance(theirs, dict):
-        return None
-    extra = node.get("additionalProperties", True), branch.get("additionalProperties", True)
-    if extra[0] is not True and set(theirs) - set(mine) or \
-            extra[1] is not True and set(mine) - set(theirs) or \
-            extra[0] is not True and extra[1] is not True and extra[0] != extra[1]:  # fmt: skip
-        return None  # an undeclared key's schema meets a property, or two of them meet
-    props = dict(mine)
-    for k, v in theirs.items():
-        both = _trivially_both(props.get(k, True), v)
-        if both is None:
-            return None  # an intersection this does not write
-        props[k] = both
-    required = [*node.get("required", []), *branch.get("required", [])]
-    merged = {**node, "properties": props, "required": list(dict.fromkeys(required))}
-    if extra[1] is not True:
-        merged["additionalProperties"] = extra[1]
-    if "type" in branch:
-        merged["type"] = "object"
-    return merged
+    merged = dict(node)
+    return merged if absorb(merged, branch, (), (), [], _trivially_both) else None
 
 
-def _trivially_both(a: object, b: object) -> object | None:
+def _trivially_both(a: object, _at: Path, b: object, _b_at: Path) -> object | None:
     """A schema for `a` and `b` both, where one is trivially it; else None."""
     if a is False or b is False:
         return False
