@@ -37,6 +37,7 @@ from typing import Any
 
 from grammar.lark_json import key_regex, lexemes, literal, scalars
 from grammar.merge import OBJECT_KEYWORDS, merge_object_branch
+from grammar.rewrite import _resolve
 from grammar.spec import SCHEMA_KEYWORDS
 
 EXACT_UP_TO = 3  # objects of this many properties or fewer track every key: no repeats
@@ -223,18 +224,7 @@ class _Writer:
         return allowed, set(required), extra, pattern
 
     def target(self, ref: str) -> object:
-        where = _def_name(ref)
-        assert where is not None  # _local_refs_only
-        node: object = self.root.get(where[0], {}).get(where[1])
-        for seg in ref.split("/")[3:]:
-            seg = _unescape(seg)
-            if isinstance(node, dict):
-                node = node.get(seg)
-            elif isinstance(node, list) and seg.isdigit() and int(seg) < len(node):
-                node = node[int(seg)]
-            else:
-                return None
-        return node
+        return _resolve(self.root, ref)
 
     def children(self, node: Any) -> list[object]:
         kind = self.kind(node)
