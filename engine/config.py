@@ -50,6 +50,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
     dtype: str | None = None  # the checkpoint's (`torch_dtype`), when config.json says
+    quantization: str | None = None  # "fp8": the checkpoint's linear weights are FP8 E4M3
 
     SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM")
@@ -85,6 +86,7 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 architecture=arch,
                 dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                quantization=_quantization(cfg.get("quantization_config")),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing {e.args[0]!r}") from None
@@ -96,6 +98,31 @@ class ModelConfig:
             return cls.from_hf(json.loads(f.read_text()))
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"cannot read {f}: {e}") from None
+
+
+def _quantization(q: dict[str, Any] | None) -> str | None:
+    """"fp8" for FP8 (E4M3) checkpoints: `quant_method` "fp8" (AutoFP8, transformers), or
+    "compressed-tensors" whose weights are 8-bit floats (llm-compressor's FP8 recipes); None
+    without a `quantization_config`. Other methods are refused by name."""
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("weight_block_size"):
+            raise ModelLoadError("block-wise FP8 checkpoints (weight_block_size) are not "
+                                 "supported: use per-tensor or per-channel scales, or load the "
+                                 "bf16 checkpoint with --quantization fp8")
+        return "fp8"
+    if method == "compressed-tensors":
+        for group in (q.get("config_groups") or {}).values():
+            w = group.get("weights") or {}
+            if not (w.get("type") == "float" and w.get("num_bits") == 8
+                    and w.get("strategy") in ("tensor", "channel")):
+                raise ModelLoadError(f"unsupported compressed-tensors weights {w}: FP8 with "
+                                     "per-tensor or per-channel scales is supported")
+        return "fp8"
+    raise ModelLoadError(f"unsupported quantization method {method!r}: fp8 and "
+                         "compressed-tensors FP8 checkpoints are supported")
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -154,6 +181,13 @@ class EngineConfig(BaseModel):
     dtype: DtypeSetting = setting(
         "auto", help="weights and KV cache dtype (auto: float32 on a CPU; on a GPU the "
         "checkpoint's, bfloat16 where that is float32)")
+    quantization: Literal["auto", "fp8"] = setting(
+        "auto", help="weights of the linear layers: fp8 (E4M3 with a scale per output "
+        "channel, activations scaled per token; a bf16 or float32 checkpoint is quantized as "
+        "it loads); auto: as the checkpoint is (FP8 when its quantization_config says so)")
+    kv_cache_dtype: Literal["auto", "fp8"] = setting(
+        "auto", help="KV cache dtype: auto (--dtype) or fp8 (E4M3 with a scale per KV head: "
+        "twice the tokens in the same memory)")
     device: str = setting("auto", metavar="DEVICE",
                           help="auto | cpu | cuda (auto: cuda when a GPU is present)")
     seed: int = setting(0, help="engine seed for unseeded sampling")
@@ -362,7 +396,19 @@ class EngineConfig(BaseModel):
         """One page's K and V over all layers (`dtype` settled: `settle_device`)."""
         assert self.dtype != "auto", "settle_device first"
         return (2 * model.num_layers * model.num_kv_heads * model.head_dim
-                * DTYPE_BYTES[self.dtype] * self.page_size)
+                * self.kv_itemsize * self.page_size)
+
+    @property
+    def load_quantization(self) -> str | None:
+        """What the projections are quantized to as they load ("fp8"); None: as the checkpoint
+        holds them."""
+        return None if self.quantization == "auto" else self.quantization
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one KV cache element (`dtype` settled)."""
+        assert self.dtype != "auto", "settle_device first"
+        return 1 if self.kv_cache_dtype == "fp8" else DTYPE_BYTES[self.dtype]  # type: ignore[index]
 
 
 class ResolvedConfig(EngineConfig):

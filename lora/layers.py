@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kernels.fp8 import Fp8Linear
 from lora.batch import LoraBatchInfo
 from lora.slots import LoraSlots
 
@@ -38,9 +39,11 @@ class LoraContext:
 
 
 class LoraLinear(nn.Module):
-    """`y = base(x) + LoRA(x)`, each token with its own adapter slot."""
+    """`y = base(x) + LoRA(x)`, each token with its own adapter slot. The base may be FP8
+    (`kernels.fp8.Fp8Linear`); the adapter then reads the same unquantized x."""
 
-    def __init__(self, base: nn.Linear, ctx: LoraContext, layer: int, fused: str) -> None:
+    def __init__(self, base: nn.Linear | Fp8Linear, ctx: LoraContext, layer: int,
+                 fused: str) -> None:
         super().__init__()
         self.base, self.ctx, self.layer, self.fused = base, ctx, layer, fused
 
@@ -79,6 +82,6 @@ def wrap_model(model: nn.Module, slots: LoraSlots) -> LoraContext:
         for owner, name in TARGETS:
             parent = layer.get_submodule(owner)
             base = parent.get_submodule(name)
-            assert isinstance(base, nn.Linear), f"layers.{i}.{owner}.{name}: not an nn.Linear"
+            assert isinstance(base, (nn.Linear, Fp8Linear)), f"layers.{i}.{owner}.{name}: {base}"
             setattr(parent, name, LoraLinear(base, ctx, i, name))
     return ctx

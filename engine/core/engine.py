@@ -85,7 +85,8 @@ class LLMEngine:
         part = None
         if tp is not None:
             part = Partition.of(ModelConfig.from_dir(self.model_dir), 0, tp.size)
-        self.model = load_model(self.model_dir, dtype, cfg.device, part, tp)
+        self.model = load_model(self.model_dir, dtype, cfg.device, part, tp,
+                                cfg.load_quantization)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         except (OSError, ValueError) as e:

@@ -197,7 +197,8 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_dir: 
         try:  # while rank 0 loads its own shard
             mc = ModelConfig.from_dir(model_dir)
             part = Partition.of(mc, rank, size)
-            model = load_model(model_dir, dtype, device, part, tp)
+            model = load_model(model_dir, dtype, device, part, tp,
+                               cfg.load_quantization)
             mine: Any = rank_fingerprint(mc, model_dir, model)
         except Exception as e:  # reported by rank 0, which then stops every rank
             mine = f"{type(e).__name__}: {e}"

@@ -14,7 +14,7 @@ import importlib.util
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from engine.config import ModelConfig, ModelLoadError
-from engine.parallel.partition import Partition, projection
+from engine.parallel.partition import COLUMN, Partition, cut, projection
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.synthetic import MARKER, is_synthetic, synthetic_dir, synthetic_model
+from kernels.fp8 import FP8, Fp8Linear
 
 if TYPE_CHECKING:
     from engine.parallel.collectives import TPGroup
@@ -145,11 +147,38 @@ def _reading(path: Path) -> Iterator[None]:
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: str | torch.device,
-               part: Partition | None = None, tp: TPGroup | None = None) -> LlamaForCausalLM:
+               part: Partition | None = None, tp: TPGroup | None = None,
+               quantization: str | None = None) -> LlamaForCausalLM:
     """Build the model for `folder` and load its weights, fusing q/k/v and gate/up. With `tp`,
-    this rank's shard (`part`) only."""
+    this rank's shard (`part`) only. `quantization` "fp8": the projections' weights are
+    quantized to FP8 as they load (an FP8 checkpoint's are FP8 whatever it says)."""
     if (folder / MARKER).is_file():
-        return synthetic_model(folder, dtype, device, part, tp)
+        model = synthetic_model(folder, dtype, device, part, tp)
+    else:
+        model = _load_checkpoint(folder, dtype, device, part, tp)
+    if quantization == "fp8" and model.cfg.quantization is None:
+        swap_projections_(model, Fp8Linear.quantize)
+    return model
+
+
+# The projections of a decoder layer that FP8 quantizes (lm_head and embeddings stay as they
+# are, as in vLLM and SGLang).
+PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+               ("mlp", "down_proj"))
+
+
+def swap_projections_(model: LlamaForCausalLM, make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replace every decoder layer's projections by `make(projection)`, one at a time."""
+    for layer in model.layers:
+        for owner, name in PROJECTIONS:
+            parent = layer.get_submodule(owner)
+            linear = parent.get_submodule(name)
+            assert isinstance(linear, nn.Linear), f"{owner}.{name} is {type(linear).__name__}"
+            setattr(parent, name, make(linear))
+
+
+def _load_checkpoint(folder: Path, dtype: torch.dtype, device: str | torch.device,
+                     part: Partition | None, tp: TPGroup | None) -> LlamaForCausalLM:
     cfg = ModelConfig.from_dir(folder)
     hf = Checkpoint(folder)
     ours: dict[str, torch.Tensor] = {}
@@ -162,18 +191,34 @@ def load_model(folder: Path, dtype: torch.dtype, device: str | torch.device,
             found = [hf.read(n, part) for n in parts]
             ours[name] = found[0] if len(found) == 1 else torch.cat(found)
 
+    def put_fp8(name: str, *parts: str) -> None:
+        """`put`, and the parts' `weight_scale`s as one fp32 scale per row (a per-tensor
+        scale repeated over its part's rows)."""
+        scales = [n + "_scale" for n in parts]
+        missing.extend(n for n in (*parts, *scales) if n not in hf)
+        if not all(n in hf for n in (*parts, *scales)):
+            return
+        found = [hf.read(n, part) for n in parts]
+        ours[name] = torch.cat(found) if len(found) > 1 else found[0]
+        ours[name + "_scale"] = torch.cat([
+            _row_scales(hf.read(s), w.shape[0], part if projection(n) in COLUMN else None,
+                        projection(n))
+            for n, s, w in zip(parts, scales, found, strict=True)])
+
     for name in ("embed_tokens.weight", "norm.weight"):
         put(name, name)
     if not cfg.tie_embeddings:
         put("lm_head.weight", "lm_head.weight")
+    proj = put_fp8 if cfg.quantization == "fp8" else put
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                  "self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             put(p + n, p + n)
-        put(a + "qkv_proj.weight", *(f"{a}{x}_proj.weight" for x in "qkv"))
-        put(m + "gate_up_proj.weight", m + "gate_proj.weight", m + "up_proj.weight")
+        for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            proj(p + n, p + n)
+        proj(a + "qkv_proj.weight", *(f"{a}{x}_proj.weight" for x in "qkv"))
+        proj(m + "gate_up_proj.weight", m + "gate_proj.weight", m + "up_proj.weight")
         if cfg.qkv_bias:
             put(a + "qkv_proj.bias", *(f"{a}{x}_proj.bias" for x in "qkv"))
         if cfg.qk_norm:
@@ -185,20 +230,40 @@ def load_model(folder: Path, dtype: torch.dtype, device: str | torch.device,
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, part, tp).to(dtype)  # to_empty then allocates in `dtype`
-    expected = {k: v.shape for k, v in model.state_dict().items()}
+        if cfg.quantization == "fp8":
+            swap_projections_(model, lambda lin: Fp8Linear(
+                lin.in_features, lin.out_features, lin.bias is not None, dtype))
+    expected = {k: v for k, v in model.state_dict().items()}
     for name, t in ours.items():
-        if tuple(t.shape) != tuple(expected[name]):
+        if tuple(t.shape) != tuple(expected[name].shape):
             raise ModelLoadError(
-                f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
+                f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}"
             )
+        if (t.dtype == FP8) != (expected[name].dtype == FP8):
+            raise ModelLoadError(f"tensor {name} is {t.dtype}, expected {expected[name].dtype}")
     model = model.to_empty(device=device)
-    # assign=True keeps the given tensors, so they must already be on the device.
-    state = {k: t.to(device=device, dtype=dtype) for k, t in ours.items()}
+    # assign=True keeps the given tensors, so they must already be on the device. FP8
+    # weights and their fp32 scales keep their dtypes.
+    state = {k: t.to(device=device, dtype=expected[k].dtype) for k, t in ours.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    for t in model.parameters():
-        if not torch.isfinite(t).all():
-            raise ModelLoadError(f"checkpoint {folder} holds NaN or Inf weights")
+    for name, t in model.named_parameters():
+        bad = ((t.view(torch.uint8) & 0x7F) == 0x7F).any() if t.dtype == FP8 else \
+            not torch.isfinite(t).all()
+        if bad:
+            raise ModelLoadError(f"checkpoint {folder} holds NaN or Inf weights ({name})")
     model.init_rope()  # after any dtype cast: the tables stay fp32
     return model.eval()
+
+
+def _row_scales(s: torch.Tensor, rows: int, part: Partition | None, proj: str) -> torch.Tensor:
+    """A checkpoint's `weight_scale` (per tensor: one value; per channel: [out] or [out, 1])
+    as fp32 [rows], this rank's rows (`part`: a column-parallel projection's)."""
+    s = s.float().reshape(-1)
+    if s.numel() == 1:
+        return s.expand(rows).clone()
+    s = cut(s[:, None], part, proj)[:, 0]
+    if s.numel() != rows:
+        raise ModelLoadError(f"a weight_scale of {proj} has {s.numel()} values for {rows} rows")
+    return s
