@@ -15,6 +15,10 @@ against 250-400 ms (`benchmarks/results/offline_throughput_cpu.md`). What it sav
 - The gathers write into two buffers the plan allocates once and every layer reuses: a fresh
   multi-megabyte tensor per layer is an mmap and its page faults in glibc's allocator, which
   cost more than the attention itself.
+
+An FP8 cache (`kernels.fp8_kv`) is gathered as bytes into buffers of its own and widened into
+the compute dtype's; its K scales multiply the queries and its V scales the output, one per KV
+head, instead of every gathered value.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels.fp8_kv import FP8_KV
 
 # The fixed cost of one more group, in gathered slots (its dozen small ops against the memory
 # traffic of a slot's K and V): the cut point of `_groups`.
@@ -48,7 +54,10 @@ class DecodePlan:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        cache_dtype: torch.dtype | None = None,
     ):
+        """`dtype` is the computation's (q's and out's); `cache_dtype` the cache's, when it
+        differs (an FP8 cache)."""
         lens = seq_lens.tolist()
         order = sorted(range(len(lens)), key=lens.__getitem__)
         heads = torch.arange(kv_heads).view(1, kv_heads, 1)
@@ -69,6 +78,11 @@ class DecodePlan:
         most = max((g.index.numel() for g in self.groups), default=0)
         self.k_buf = torch.empty(most, head_dim, dtype=dtype)
         self.v_buf = torch.empty(most, head_dim, dtype=dtype)
+        self.fp8 = cache_dtype == FP8_KV
+        self.k8_buf = self.v8_buf = None  # an FP8 cache's gathered bytes
+        if self.fp8:
+            self.k8_buf = torch.empty(most, head_dim, dtype=torch.uint8)
+            self.v8_buf = torch.empty(most, head_dim, dtype=torch.uint8)
 
     def attend(
         self,
@@ -77,19 +91,38 @@ class DecodePlan:
         v_cache: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        """`paged_decode_torch`'s contract, for the tables and lengths the plan was built on."""
+        """`paged_decode_torch`'s contract, for the tables and lengths the plan was built on
+        (kv_scales: an FP8 cache's [2, KVH] K and V scales)."""
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[1]
+        fp8 = k_cache.dtype == FP8_KV
+        assert fp8 == self.fp8, "the plan was built for another cache dtype"
+        if fp8:
+            assert kv_scales is not None, "an FP8 KV cache needs kv_scales"
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+            k_scale, v_scale = (s.view(1, kv_heads, 1, 1).to(q.dtype) for s in kv_scales)
         k_rows, v_rows = k_cache.view(-1, dim), v_cache.view(-1, dim)
         for g in self.groups:
             n, size = len(g.rows), g.index.numel()
-            k = torch.index_select(k_rows, 0, g.index, out=self.k_buf[:size])
-            v = torch.index_select(v_rows, 0, g.index, out=self.v_buf[:size])
+            if fp8:
+                assert self.k8_buf is not None and self.v8_buf is not None
+                k8 = torch.index_select(k_rows, 0, g.index, out=self.k8_buf[:size])
+                v8 = torch.index_select(v_rows, 0, g.index, out=self.v8_buf[:size])
+                k = self.k_buf[:size].copy_(k8.view(FP8_KV))
+                v = self.v_buf[:size].copy_(v8.view(FP8_KV))
+            else:
+                k = torch.index_select(k_rows, 0, g.index, out=self.k_buf[:size])
+                v = torch.index_select(v_rows, 0, g.index, out=self.v_buf[:size])
             k, v = (t.view(n, kv_heads, g.width, dim) for t in (k, v))
             qg = q.index_select(0, g.rows).view(n, kv_heads, heads // kv_heads, dim)
+            if fp8:
+                qg = qg * k_scale
             scores = torch.matmul(qg, k.transpose(2, 3)).mul_(scale).add_(g.bias)
             o = torch.matmul(torch.softmax(scores, dim=-1), v)  # (n, kv_heads, group, dim)
+            if fp8:
+                o = o.mul_(v_scale)
             out.index_copy_(0, g.rows, o.view(n, heads, dim))
 
 

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8_kv import fp8_e4m3_bytes, is_fp8, kernel_operands, quantize_kv
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, N] -> weight * (x / rms(x)), normalised in fp32 (as HF's LlamaRMSNorm)."""
@@ -50,12 +52,17 @@ def rope_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotary embedding of q [T, H, D] and k [T, KVH, D] (cos, sin: [T, 1, D // 2], HF's
     half-rotation layout); the rotated k and v [T, KVH, D] go to rows `slots` [T] of the
-    paged caches [S, KVH, D]. Returns the rotated q (the Triton path rotates it in place)."""
+    paged caches [S, KVH, D]. Returns the rotated q (the Triton path rotates it in place).
+
+    An FP8 cache (torch.float8_e4m3fn) stores each value of KV head h divided by its scale,
+    `kv_scales` [2, KVH] fp32 (row 0 K's, row 1 V's; `kernels.fp8_kv`); other caches ignore
+    `kv_scales`."""
     fn = rope_cache_triton if q.is_cuda else rope_cache_torch
-    return fn(q, k, v, cos, sin, k_cache, v_cache, slots)
+    return fn(q, k, v, cos, sin, k_cache, v_cache, slots, kv_scales)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -100,18 +107,29 @@ def rope_cache_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics, for x in (q, k): x1, x2 = halves of x's last axis;
     x <- cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin); then k_cache[slots] = k,
-    v_cache[slots] = v; returns q."""
+    v_cache[slots] = v; returns q. An FP8 cache gets, in fp32,
+    k_cache[slots] = quantize_kv(k, kv_scales[0]), v_cache[slots] = quantize_kv(v, kv_scales[1])."""
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    k_cache.index_copy_(0, slots, rotate(k))
-    v_cache.index_copy_(0, slots, v)
-    return rotate(q)
+    if is_fp8(k_cache):
+        assert kv_scales is not None, "an FP8 KV cache needs kv_scales"
+        k32 = rotate(k.float(), cos.float(), sin.float())
+        # As bytes: torch's CPU index_copy_ takes no float8.
+        k_cache.view(torch.uint8).index_copy_(
+            0, slots, quantize_kv(k32, kv_scales[0]).view(torch.uint8))
+        v_cache.view(torch.uint8).index_copy_(
+            0, slots, quantize_kv(v, kv_scales[1]).view(torch.uint8))
+    else:
+        k_cache.index_copy_(0, slots, rotate(k, cos, sin))
+        v_cache.index_copy_(0, slots, v)
+    return rotate(q, cos, sin)
 
 
 def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
@@ -172,16 +190,18 @@ def rope_cache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `rope_cache_torch`, rotating q in place (q, k, v may be strided views
     of the qkv projection's output; each cache row [KVH, D] contiguous)."""
     half = q.shape[2] // 2
+    k_cache, v_cache, kv_scales, s_scale, fp8 = kernel_operands(k_cache, v_cache, kv_scales)
     _rope_cache_kernel[(q.shape[0],)](
-        q, k, v, cos, sin, k_cache, v_cache, slots, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), k_cache.stride(0),
-        half, H=q.shape[1], KVH=k.shape[1], H_PAD=triton.next_power_of_2(q.shape[1]),
-        KVH_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
+        q, k, v, cos, sin, k_cache, v_cache, slots, kv_scales, s_scale, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), half, H=q.shape[1], KVH=k.shape[1],
+        H_PAD=triton.next_power_of_2(q.shape[1]), KVH_PAD=triton.next_power_of_2(k.shape[1]),
+        HALF_PAD=triton.next_power_of_2(half), FP8=fp8, num_warps=4,
     )
     return q
 
@@ -248,8 +268,8 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_x, s_r, N, eps, BLOCK: tl.conste
 
 
 @triton.jit
-def _rope_rotate(src, dst, cos, sin, s_h, s_dst_h, n_heads, HALF, N_PAD: tl.constexpr,
-                 HALF_PAD: tl.constexpr):
+def _rope_rotate(src, dst, cos, sin, s_h, s_dst_h, n_heads, HALF, scale_ptr,
+                 N_PAD: tl.constexpr, HALF_PAD: tl.constexpr, FP8: tl.constexpr):
     heads = tl.arange(0, N_PAD)
     d = tl.arange(0, HALF_PAD)
     mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
@@ -258,30 +278,41 @@ def _rope_rotate(src, dst, cos, sin, s_h, s_dst_h, n_heads, HALF, N_PAD: tl.cons
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     out = dst + heads[:, None] * s_dst_h + d[None, :]
-    tl.store(out, (a * cos - b * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(out + HALF, (b * cos + a * sin).to(dst.dtype.element_ty), mask=mask)
+    if FP8:  # dst holds E4M3 bytes: each head's values over its scale
+        scale = tl.load(scale_ptr + heads, mask=heads < n_heads, other=1.0)[:, None]
+        tl.store(out, fp8_e4m3_bytes(tl.math.div_rn(a * cos - b * sin, scale)), mask=mask)
+        tl.store(out + HALF, fp8_e4m3_bytes(tl.math.div_rn(b * cos + a * sin, scale)),
+                 mask=mask)
+    else:
+        tl.store(out, (a * cos - b * sin).to(dst.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, (b * cos + a * sin).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_cache_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr, s_q_t, s_q_h, s_k_t,
-    s_k_h, s_v_t, s_v_h, s_cos, s_sin, s_cache, HALF, H: tl.constexpr, KVH: tl.constexpr,
-    H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr, kvs_ptr, s_kvs, s_q_t,
+    s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_cos, s_sin, s_cache, HALF, H: tl.constexpr,
+    KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    FP8: tl.constexpr,
 ):
-    # One program: every q, k and v head of one token.
+    # One program: every q, k and v head of one token. FP8: the caches are E4M3 bytes, the
+    # [KVH] scales of K at kvs_ptr, V's s_kvs further.
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     cos = tl.load(cos_ptr + t * s_cos + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + t * s_sin + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
     q = q_ptr + t * s_q_t
-    _rope_rotate(q, q, cos, sin, s_q_h, s_q_h, H, HALF, H_PAD, HALF_PAD)
+    _rope_rotate(q, q, cos, sin, s_q_h, s_q_h, H, HALF, None, H_PAD, HALF_PAD, False)
     row = tl.load(slots_ptr + t).to(tl.int64) * s_cache  # this token's cache row
-    _rope_rotate(k_ptr + t * s_k_t, kc_ptr + row, cos, sin, s_k_h, 2 * HALF, KVH, HALF, KVH_PAD,
-                 HALF_PAD)
+    _rope_rotate(k_ptr + t * s_k_t, kc_ptr + row, cos, sin, s_k_h, 2 * HALF, KVH, HALF, kvs_ptr,
+                 KVH_PAD, HALF_PAD, FP8)
     heads = tl.arange(0, KVH_PAD)[:, None]
     d2 = tl.arange(0, 2 * HALF_PAD)[None, :]
     mask = (heads < KVH) & (d2 < 2 * HALF)
     v = tl.load(v_ptr + t * s_v_t + heads * s_v_h + d2, mask=mask, other=0.0)
+    if FP8:
+        scale = tl.load(kvs_ptr + s_kvs + heads, mask=heads < KVH, other=1.0)
+        v = fp8_e4m3_bytes(tl.math.div_rn(v.to(tl.float32), scale))
     tl.store(vc_ptr + row + heads * (2 * HALF) + d2, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 

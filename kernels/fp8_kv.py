@@ -1,0 +1,87 @@
+"""FP8 (E4M3) KV cache: a layer's K and V slots stored as torch.float8_e4m3fn, one byte a
+value (half of bf16's; decode attention is bound by the bytes it reads), with an fp32 scale
+per KV head for K and one for V.
+
+`kv_scales` is a float32 tensor `[2, KVH]` on the cache's device: row 0 holds the K scale of
+each KV head, row 1 V's. The value x (a rotated k, or v) of KV head h is stored as
+`clamp(x / scale[h], -448, 448)` rounded to the nearest E4M3 value (computed in fp32; 448 is
+E4M3's largest finite value) and read back as `stored.float() * scale[h]`. Caches of any other
+dtype ignore the scales. `kernels.fused.rope_cache` writes such a cache and
+`kernels.attention.paged_attention` reads it; this module holds what they share.
+
+The Triton kernels take an FP8 cache as its bytes (a torch.uint8 view) and bitcast in the
+kernel: Triton's CPU interpreter (TRITON_INTERPRET=1, the tests) stores float8 tensors wrongly,
+and its fp32 -> E4M3 conversion loses the carry when rounding up crosses a power of two (125.0
+becomes 64; Triton 3.9). So `fp8_e4m3_bytes` rounds in fp32 arithmetic first, and the
+conversion it ends with is exact on any backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_KV
+
+
+def quantize_kv(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x: [T, KVH, D] (rotated k, or v), scales: [KVH] fp32 -> E4M3 [T, KVH, D].
+
+    Semantics: clamp(x.float() / scales[h], -448, 448) rounded to the nearest E4M3 value."""
+    return (x.float() / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV)
+
+
+def dequantize_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v: [..., KVH, D] E4M3 cache rows -> (k.float() * kv_scales[0, h],
+    v.float() * kv_scales[1, h]) in `dtype`."""
+    assert kv_scales is not None, "an FP8 KV cache needs kv_scales"
+    return ((k.float() * kv_scales[0, :, None]).to(dtype),
+            (v.float() * kv_scales[1, :, None]).to(dtype))
+
+
+def kernel_operands(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, bool]:
+    """The caches as the Triton kernels take them (an FP8 cache as its bytes), the scales (None
+    unless FP8; V's row `kv_scales.stride(0)` elements after K's) and whether the cache is FP8
+    (the kernels' `FP8`)."""
+    if k_cache.dtype != FP8_KV:
+        return k_cache, v_cache, None, 0, False
+    assert v_cache.dtype == FP8_KV and kv_scales is not None, "an FP8 cache needs kv_scales"
+    assert kv_scales.dtype == torch.float32 and kv_scales.stride(1) == 1
+    k_bytes, v_bytes = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    return k_bytes, v_bytes, kv_scales, kv_scales.stride(0), True
+
+
+@triton.jit
+def fp8_e4m3_bytes(x):
+    """fp32 x -> the bytes of clamp(x, -448, 448) rounded to the nearest E4M3 value, ties to
+    even (as torch's `.to(torch.float8_e4m3fn)`)."""
+    x = tl.clamp(x, -448.0, 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    # c = 2^(e + 20), e the exponent of |x| (at least E4M3's smallest normal one, -6): fp32's
+    # ulp at c is E4M3's at |x|, so |x| + c rounds |x| to E4M3's grid, ties to even.
+    c = ((tl.maximum(mag >> 23, 121) + 20) << 23).to(tl.float32, bitcast=True)
+    r = (mag.to(tl.float32, bitcast=True) + c) - c
+    r = (r.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def fp8_dot_operand(q):
+    """q's tile as the attention kernels multiply it with an FP8 cache's K and V tiles (which
+    they convert to q's new dtype): fp16, which holds every E4M3 value exactly, bf16 q exactly
+    from 2^-14 to 65504 (q is clamped to +-65504), and is cheaper to convert E4M3 into than bf16
+    (H200 decode: 11% faster). fp32 q stays fp32."""
+    if q.dtype != tl.float32:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
