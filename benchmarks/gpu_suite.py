@@ -160,16 +160,17 @@ def gpu_tests(limit: float) -> dict:
             "summary": summary, "files": files, "seconds": round(time.monotonic() - t, 1)}
 
 
-def serve_smoke(model: str, limit: float) -> dict:
-    """Start `switchboard serve` on the device, wait for /ready, send one chat completion, then
-    SIGTERM it (a drain: exit 0 expected). Catches what only the server imports or starts."""
+def serve_smoke(model: str, limit: float, *flags: str) -> dict:
+    """Start `switchboard serve` on the device (with `flags`), wait for /ready, send one chat
+    completion, then SIGTERM it (a drain: exit 0 expected). Catches what only the server
+    imports or starts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "gateway.main", "serve", "--model", model, "--device", "cuda",
            "--dtype", "bfloat16", "--kv-cache-gb", "4", "--port", str(port),
-           "--log-level", "info"]
+           "--log-level", "info", *flags]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     t = time.monotonic()
     res: dict = {"status": "not ready"}

@@ -405,6 +405,11 @@ class EngineConfig(BaseModel):
         return None if self.quantization == "auto" else self.quantization
 
     @property
+    def kv_dtype(self) -> str:
+        """The KV cache's torch dtype name (`dtype` settled)."""
+        return "float8_e4m3fn" if self.kv_cache_dtype == "fp8" else str(self.dtype)
+
+    @property
     def kv_itemsize(self) -> int:
         """Bytes of one KV cache element (`dtype` settled)."""
         assert self.dtype != "auto", "settle_device first"

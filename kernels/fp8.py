@@ -73,7 +73,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     [N, K] FP8 with `weight_scale` [N] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     qx, sx = quantize_rows(rows)
-    if scaled_mm_supported(x.device):
+    if rows.shape[0] <= SMALL_M and scaled_mm_supported(x.device):
+        y = fp8_gemm_triton(qx, sx, weight, weight_scale, x.dtype,
+                            *decode_config(weight.shape[0]))
+    elif scaled_mm_supported(x.device):
         # Row-wise scaling takes bf16 output; qw^T is column-major, as cuBLASLt wants it.
         y = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale[None, :],
                              out_dtype=torch.bfloat16)
@@ -154,5 +157,70 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, s_x, s_q, BLOCK: tl.conste
         v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32) / scale
         v = tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
         # Stored as bytes: the CPU interpreter (TRITON_INTERPRET=1, the tests) takes no FP8
-        # tensors, and round-to-nearest-even is spelled out so it rounds as torch does.
+        # tensors. Round-to-nearest-even, as torch rounds (the interpreter drops the carry of
+        # a value rounded up to the next power of two: tests/test_fp8_linear.py).
         tl.store(q_ptr + row * s_q + k, v.to(tl.uint8, bitcast=True), mask=k < K)
+
+
+# Decode-sized products: cuBLASLt's FP8 kernel for 64 rows tiles 128 x 128 (32 programs over
+# N = 4096 on 132 SMs). This kernel tiles N narrowly (BLOCK_N columns a program), all rows in
+# one tile. H200, 64 rows, Llama-3-8B's four projections: 114 us a layer against cuBLASLt's
+# 128 (bf16: 159); 0.22-0.61 of the copy bandwidth, the narrow projections lowest.
+SMALL_M = 64  # rows up to which `fp8_linear` takes `fp8_gemm_triton` on CUDA
+
+
+def decode_config(n: int) -> tuple[int, int, int, int, int]:
+    """(block_n, block_k, split_k, num_stages, num_warps) for a decode-sized product with `n`
+    output columns. From `benchmarks/fp8_gemm_tune.py` on an H200 (64 rows, Llama-3-8B's
+    projections): 32-column tiles, 64 for the widest; splitting K (summed with atomics into
+    a zeroed fp32 buffer, then cast) was 1.0-3x slower everywhere."""
+    return (64, 256, 1, 4, 4) if n >= 16384 else (32, 256, 1, 5, 4)
+
+
+def fp8_gemm_triton(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
+                    out_dtype: torch.dtype, block_n: int = 32, block_k: int = 256,
+                    split_k: int = 1, num_stages: int = 4, num_warps: int = 4) -> torch.Tensor:
+    """`fp8_matmul_reference`'s contract for up to `SMALL_M` rows: one program per `block_n`
+    output columns and `split_k`-th of K, all rows in one tile; split products are summed in
+    fp32 (atomically) and then cast."""
+    m, k = qx.shape
+    n = qw.shape[0]
+    if split_k == 1:
+        out = torch.empty((m, n), dtype=out_dtype, device=qx.device)
+    else:
+        out = torch.zeros((m, n), dtype=torch.float32, device=qx.device)
+    k_chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    _fp8_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
+        qx.view(torch.uint8), sx, qw.view(torch.uint8), sw, out, m, n, k, k_chunk,
+        qx.stride(0), qw.stride(0), out.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1, num_stages=num_stages,
+        num_warps=num_warps)
+    return out if split_k == 1 else out.to(out_dtype)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, K_CHUNK, s_a, s_b, s_c,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ATOMIC: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_start = tl.program_id(1) * K_CHUNK
+    k_end = tl.minimum(k_start + K_CHUNK, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * s_a + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < k_end), other=0)
+        b = tl.load(b_ptr + rn[None, :] * s_b + kk[:, None],
+                    mask=(rn[None, :] < N) & (kk[:, None] < k_end), other=0)
+        acc = tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True), acc)
+    sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
+    sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
+    acc = acc * sa[:, None] * sb[None, :]
+    c = c_ptr + rm[:, None] * s_c + rn[None, :]
+    ok = (rm[:, None] < M) & (rn[None, :] < N)
+    if ATOMIC:
+        tl.atomic_add(c, acc, mask=ok, sem="relaxed")
+    else:
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok)

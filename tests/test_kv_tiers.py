@@ -116,7 +116,7 @@ FRAGMENTED = (list(range(70)), list(range(5, 40)) + list(range(50, 85))[::-1],
 CONSECUTIVE = (list(range(3, 73)), list(range(10, 80)), list(range(2, 40)) + list(range(42, 74)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("pages", [FRAGMENTED, CONSECUTIVE])
 def test_pool_copies_are_exact(dtype, pages):
     check_pool_copies("cpu", dtype, *pages)
@@ -136,7 +136,7 @@ def check_pool_copies(device: str, dtype: torch.dtype, src: list[int], host: lis
     direct load), and a forward's per-layer wait."""
     torch.manual_seed(0)
     ps, layers, pages = 4, 3, 80
-    kv_pool = torch.randn(layers, 2, (pages + 1) * ps, 2, 8, dtype=dtype, device=device)
+    kv_pool = torch.randn(layers, 2, (pages + 1) * ps, 2, 8, device=device).to(dtype)
     kv = [(kv_pool[i, 0], kv_pool[i, 1]) for i in range(layers)]  # the model's views
     pool = HostKVPool(kv_pool, 90, ps, chunk_pages=16)
     before = [(k.clone(), v.clone()) for k, v in kv]
@@ -217,11 +217,14 @@ def _session_turns(engine, prompts, session="S"):
     return prompts[0] + reply + engine.tokenizer.encode(" And the next row?")
 
 
-def test_a_restarted_engine_resumes_sessions_from_disk(smollm2_dir, prompts, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_restarted_engine_resumes_sessions_from_disk(smollm2_dir, prompts, tmp_path,
+                                                       kv_cache_dtype):
     """Engine A writes a session's KV through to disk; engine B, started fresh on the same
-    folder, computes the next turn from the files: the same tokens as a cold run."""
+    folder, computes the next turn from the files: the same tokens as a cold run (an FP8 KV
+    cache too: its pages move as their bytes)."""
     kw = dict(model=str(smollm2_dir), max_num_seqs=4, num_pages=DEVICE_PAGES, host_kv_pages=64,
-              kv_disk_dir=tmp_path)
+              kv_disk_dir=tmp_path, kv_cache_dtype=kv_cache_dtype)
     a = LLM(**kw).engine
     turn = _session_turns(a, prompts)
     a.prefix_cache.tiers.disk.flush()

@@ -97,8 +97,10 @@ def disk_tier(cfg: ResolvedConfig, model: ModelConfig, model_dir: Path,
         ident["shard"] = [rank, size]
     cap = int(cfg.kv_disk_gb * 2**30 / size) if cfg.kv_disk_gb else None
     per_tenant = int(cfg.kv_disk_tenant_gb * 2**30 / size)
-    return DiskKV(cfg.kv_disk_dir, fingerprint(ident, cfg.dtype, shape), shape,
-                  getattr(torch, cfg.dtype), cap, per_tenant)
+    # An FP8 cache's pages are read and written as bytes, as the host tier holds them.
+    storage = torch.uint8 if cfg.kv_cache_dtype == "fp8" else getattr(torch, cfg.dtype)
+    return DiskKV(cfg.kv_disk_dir, fingerprint(ident, cfg.kv_dtype, shape), shape, storage,
+                  cap, per_tenant)
 
 
 class DiskKV:

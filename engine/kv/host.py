@@ -56,6 +56,8 @@ class HostKVPool:
     def __init__(self, kv_pool: torch.Tensor, num_pages: int, page_size: int,
                  chunk_pages: int = CHUNK_PAGES):
         layers, _, rows, heads, dim = kv_pool.shape
+        if kv_pool.dtype == torch.float8_e4m3fn:  # moved as its bytes: torch has no
+            kv_pool = kv_pool.view(torch.uint8)   # index_copy for float8 types
         self.device = kv_pool.device
         self.num_pages = num_pages
         self.page_size = page_size

@@ -254,7 +254,24 @@ def _load_checkpoint(folder: Path, dtype: torch.dtype, device: str | torch.devic
         if bad:
             raise ModelLoadError(f"checkpoint {folder} holds NaN or Inf weights ({name})")
     model.init_rope()  # after any dtype cast: the tables stay fp32
+    _read_kv_scales(model, hf)
     return model.eval()
+
+
+def _read_kv_scales(model: LlamaForCausalLM, hf: Checkpoint) -> None:
+    """A checkpoint's FP8 KV cache scales (`self_attn.k_scale`, `v_scale`: one per layer, or
+    one per KV head), where it has them, into the attention layers' `kv_scales`."""
+    for i, attn in enumerate(model.attentions()):
+        for row, kind in enumerate(("k_scale", "v_scale")):
+            name = f"layers.{i}.self_attn.{kind}"
+            if name not in hf:
+                continue
+            s = hf.read(name).float().reshape(-1)
+            if s.numel() not in (1, attn.num_kv_heads) or not torch.isfinite(s).all() \
+                    or (s <= 0).any():
+                raise ModelLoadError(f"{name} must be one positive scale or one per KV head "
+                                     f"({attn.num_kv_heads} on this rank), got {s.tolist()}")
+            attn.kv_scales[row] = s.to(attn.kv_scales.device)
 
 
 def _row_scales(s: torch.Tensor, rows: int, part: Partition | None, proj: str) -> torch.Tensor:

@@ -58,6 +58,7 @@ class ModelRunner:
         tp: TPGroup | None = None,
         verify_queries: int = 0,
         piecewise_max_tokens: int = PIECEWISE_MAX_TOKENS,
+        kv_dtype: torch.dtype | None = None,
     ):
         """`cuda_graph_max_batch > 0` on a CUDA model captures decode graphs for batches up to
         that size and contexts up to `max_model_len` (default: the whole pool).
@@ -67,7 +68,9 @@ class ModelRunner:
         other ranks' runners (`engine.parallel.collectives`), which run the same `forward`.
         `verify_queries` (1 + the engine's draft tokens; 0: it does not speculate) sizes the
         graphs of speculative steps of several sequences. `piecewise_max_tokens` (the scheduler's
-        token budget; 0: none) sizes the piecewise graphs of mixed steps."""
+        token budget; 0: none) sizes the piecewise graphs of mixed steps. `kv_dtype`: the KV
+        pool's (default: the model's; float8_e4m3fn: FP8 with the attention layers' per-head
+        `kv_scales`)."""
         self.model = model
         self.tp = tp
         self.grammar = grammar
@@ -80,7 +83,8 @@ class ModelRunner:
         shape = ((num_pages + 1) * page_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: the CPU path reads padded slots (with zero weight); keep them finite.
         # One tensor for every layer's K and V, so the host tier moves a page in one kernel.
-        self.kv_pool = torch.zeros((cfg.num_layers, 2, *shape), dtype=w.dtype, device=w.device)
+        self.kv_pool = torch.zeros((cfg.num_layers, 2, *shape), dtype=kv_dtype or w.dtype,
+                                   device=w.device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(cfg.num_layers)]
         self.device = w.device
         # The prefix cache's host tier: forwards, and the graphs captured below, wait for its
@@ -383,4 +387,5 @@ def build_runner(model: LlamaForCausalLM, cfg: ResolvedConfig, eos_token_ids: li
         host_kv_pages=cfg.host_kv_pages if cfg.prefix_cache else 0, tp=tp,
         verify_queries=1 + cfg.num_speculative_tokens if cfg.num_speculative_tokens else 0,
         piecewise_max_tokens=cfg.max_num_batched_tokens if cfg.piecewise_graphs else 0,
+        kv_dtype=getattr(torch, cfg.kv_dtype),
     )

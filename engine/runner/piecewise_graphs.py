@@ -163,7 +163,8 @@ class PiecewiseGraphs:
         scale = self.layers[0].self_attn.scale
         self._replay(pieces, 0, b)
         for i, kv in enumerate(self.kv_caches):
-            paged_attention(self.q[:t], kv[0], kv[1], meta, scale, out=self.o[:t])
+            paged_attention(self.q[:t], kv[0], kv[1], meta, scale, out=self.o[:t],
+                            kv_scales=self.layers[i].self_attn.kv_scales)
             self._replay(pieces, i + 1, b)
         return self.x[:t]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -84,6 +84,8 @@ class QKNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    kv_scales: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.tp = tp
@@ -99,10 +101,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
         self.qk_norm = QKNorm(cfg) if cfg.qk_norm else None
+        # An FP8 KV cache's scales [2, KVH] fp32 (K's, V's; `kernels.fp8_kv`): ones, or the
+        # checkpoint's k_scale / v_scale. Set by `LlamaForCausalLM.init_rope`.
+        self.register_buffer("kv_scales", torch.empty(2, cfg.num_kv_heads), persistent=False)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q = self.project(x, cos, sin, kv_cache, meta.slot_mapping)
-        return self.output(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale))
+        return self.output(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale,
+                                           kv_scales=self.kv_scales))
 
     def project(self, x, cos, sin, kv_cache, slot_mapping: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> the rotated queries [T, heads, head_dim]; this step's K/V are
@@ -123,6 +129,7 @@ class Attention(nn.Module):
             kv_cache[0],
             kv_cache[1],
             slot_mapping,
+            self.kv_scales,
         )
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -186,15 +193,22 @@ class LlamaForCausalLM(nn.Module):
         self.init_rope()
 
     def init_rope(self) -> None:
-        """(Re)build the fp32 cos/sin tables, e.g. after loading on the meta device (where
-        there is nothing to build, and tracing it would import torch._dynamo: 3 s)."""
+        """(Re)build the fp32 cos/sin tables and the FP8 KV scales (ones), e.g. after loading on
+        the meta device (where there is nothing to build, and tracing it would import
+        torch._dynamo: 3 s)."""
         device = self.embed_tokens.weight.device
         if device.type == "meta":
             return
+        for attn in self.attentions():
+            attn.kv_scales = torch.ones(2, attn.num_kv_heads, device=device)
         inv_freq = rope_inv_freq(self.cfg).to(device)
         pos = torch.arange(self.cfg.max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(pos, inv_freq)
         self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
+
+    def attentions(self) -> list[Attention]:
+        """Each decoder layer's attention module, in order."""
+        return [cast(DecoderLayer, layer).self_attn for layer in self.layers]
 
     def forward(
         self,
