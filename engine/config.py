@@ -51,6 +51,7 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     dtype: str | None = None  # the checkpoint's (`torch_dtype`), when config.json says
     quantization: str | None = None  # "fp8": the checkpoint's linear weights are FP8 E4M3
+    fp8_block: tuple[int, int] | None = None  # their scales' block shape, if block-wise
 
     SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM")
@@ -87,6 +88,7 @@ class ModelConfig:
                 architecture=arch,
                 dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 quantization=_quantization(cfg.get("quantization_config")),
+                fp8_block=_fp8_block(cfg.get("quantization_config")),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing {e.args[0]!r}") from None
@@ -101,17 +103,19 @@ class ModelConfig:
 
 
 def _quantization(q: dict[str, Any] | None) -> str | None:
-    """"fp8" for FP8 (E4M3) checkpoints: `quant_method` "fp8" (AutoFP8, transformers), or
-    "compressed-tensors" whose weights are 8-bit floats (llm-compressor's FP8 recipes); None
-    without a `quantization_config`. Other methods are refused by name."""
+    """"fp8" for FP8 (E4M3) checkpoints: `quant_method` "fp8" (AutoFP8, transformers; scales
+    per tensor, or per 128 x 128 block: `weight_block_size`), "fbgemm_fp8" (per channel), or
+    "compressed-tensors" whose weights are 8-bit floats scaled per tensor or per channel
+    (llm-compressor's FP8 recipes); None without a `quantization_config`. Other methods are
+    refused by name."""
     if not q:
         return None
     method = q.get("quant_method")
-    if method == "fp8":
-        if q.get("weight_block_size"):
-            raise ModelLoadError("block-wise FP8 checkpoints (weight_block_size) are not "
-                                 "supported: use per-tensor or per-channel scales, or load the "
-                                 "bf16 checkpoint with --quantization fp8")
+    if method in ("fp8", "fbgemm_fp8"):
+        block = q.get("weight_block_size")
+        if block is not None and not (isinstance(block, list) and len(block) == 2
+                                      and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ModelLoadError(f"weight_block_size must be two positive integers, got {block}")
         return "fp8"
     if method == "compressed-tensors":
         for group in (q.get("config_groups") or {}).values():
@@ -121,8 +125,14 @@ def _quantization(q: dict[str, Any] | None) -> str | None:
                 raise ModelLoadError(f"unsupported compressed-tensors weights {w}: FP8 with "
                                      "per-tensor or per-channel scales is supported")
         return "fp8"
-    raise ModelLoadError(f"unsupported quantization method {method!r}: fp8 and "
+    raise ModelLoadError(f"unsupported quantization method {method!r}: fp8, fbgemm_fp8 and "
                          "compressed-tensors FP8 checkpoints are supported")
+
+
+def _fp8_block(q: dict[str, Any] | None) -> tuple[int, int] | None:
+    """A block-wise FP8 checkpoint's block shape (rows, columns of a weight per scale)."""
+    block = (q or {}).get("weight_block_size")
+    return (block[0], block[1]) if block else None
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

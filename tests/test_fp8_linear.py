@@ -119,18 +119,33 @@ def test_fp8_linear_is_the_dequantized_product(bias: bool) -> None:
     assert rel < 0.05, rel
 
 
+BLOCK = 48  # a block-wise checkpoint's blocks: ragged over the tiny model's 64 and 160
+
+
 def _tiny_fp8_checkpoint(src: Path, dst: Path, strategy: str) -> None:
-    """`src`'s checkpoint as llm-compressor writes an FP8 one: every q/k/v/o/gate/up/down
-    weight FP8 with a `weight_scale` ([] per tensor, [out, 1] per channel), quantized
-    per channel (a per-tensor scale: the tensor's largest value over 448)."""
+    """`src`'s checkpoint as the FP8 tools write one, every q/k/v/o/gate/up/down weight FP8:
+    "channel" and "tensor" as llm-compressor (compressed-tensors; a `weight_scale` of [out, 1]
+    or []), "fbgemm" as fbgemm_fp8 (per channel), "block" as transformers' block-wise FP8
+    (`weight_scale_inv`, one per BLOCK x BLOCK block)."""
     state = {k: t for f in sorted(src.glob("*.safetensors")) for k, t in load_file(f).items()}
     for name in list(state):
         if not name.endswith("_proj.weight"):
             continue
         w = state[name].float()
-        if strategy == "channel":
+        if strategy in ("channel", "fbgemm"):
             q, s = quantize_weight(w)
             state[name + "_scale"] = s[:, None]
+        elif strategy == "block":
+            rows, cols = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
+            s = torch.empty(rows, cols)
+            q = torch.empty(w.shape, dtype=FP8)
+            for i in range(rows):
+                for j in range(cols):
+                    b = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
+                    s[i, j] = b.abs().max() / 448.0
+                    q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (
+                        b / s[i, j]).clamp(-448, 448).to(FP8)
+            state[name + "_scale_inv"] = s
         else:
             s = w.abs().max() / 448.0
             q = (w / s).clamp(-448, 448).to(FP8)
@@ -139,15 +154,22 @@ def _tiny_fp8_checkpoint(src: Path, dst: Path, strategy: str) -> None:
     dst.mkdir()
     save_file(state, str(dst / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
-                        "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                  "dynamic": True}}},
-        "ignore": ["lm_head"]}
+    if strategy == "block":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [BLOCK, BLOCK]}
+    elif strategy == "fbgemm":
+        cfg["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                      "modules_to_not_convert": ["lm_head"]}
+    else:
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                            "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                      "dynamic": True}}},
+            "ignore": ["lm_head"]}
     (dst / "config.json").write_text(json.dumps(cfg))
 
 
@@ -167,8 +189,10 @@ def _prefill_logits(model, ids: list[int], kv_dtype: torch.dtype | None = None) 
         return runner.model.compute_logits(runner.model(ids_t, pos, runner.kv_caches, meta))
 
 
-def test_channel_checkpoint_loads_as_quantizing_at_load(tiny: Path, tmp_path: Path) -> None:
-    _tiny_fp8_checkpoint(tiny, tmp_path / "fp8", "channel")
+@pytest.mark.parametrize("strategy", ["channel", "fbgemm"])
+def test_channel_checkpoint_loads_as_quantizing_at_load(tiny: Path, tmp_path: Path,
+                                                        strategy: str) -> None:
+    _tiny_fp8_checkpoint(tiny, tmp_path / "fp8", strategy)
     assert ModelConfig.from_dir(tmp_path / "fp8").quantization == "fp8"
     loaded = load_model(tmp_path / "fp8", torch.float32, "cpu")
     quantized = load_model(tiny, torch.float32, "cpu", quantization="fp8")
@@ -201,6 +225,25 @@ def test_tensor_scales_become_row_scales(tiny: Path, tmp_path: Path) -> None:
     assert rel_channel < rel < 0.25, (rel_channel, rel)
 
 
+def test_block_checkpoint_is_requantized_per_row(tiny: Path, tmp_path: Path) -> None:
+    """Block-wise scales become row scales: the block-dequantized weight quantized again, one
+    more E4M3 rounding (docs/quantization.md)."""
+    _tiny_fp8_checkpoint(tiny, tmp_path / "fp8", "block")
+    model = load_model(tmp_path / "fp8", torch.float32, "cpu")
+    state = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    down = model.layers[2].mlp.down_proj
+    assert isinstance(down, Fp8Linear)
+    key = "model.layers.2.mlp.down_proj.weight"
+    s = state[key + "_scale_inv"].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+    w = state[key].float() * s[: down.out_features, : down.in_features]
+    bound = torch.maximum(w.abs() * 2.0**-4, down.weight_scale[:, None] * 2.0**-10) * 1.000001
+    assert ((down.dequantized() - w).abs() <= bound).all()
+    full = load_model(tiny, torch.float32, "cpu")
+    ids = list(range(5, 45))
+    ref, got = _prefill_logits(full, ids), _prefill_logits(model, ids)
+    assert float((got - ref).norm() / ref.norm()) < 0.25
+
+
 def test_fp8_checkpoint_without_scales_is_refused(tiny: Path, tmp_path: Path) -> None:
     _tiny_fp8_checkpoint(tiny, tmp_path / "fp8", "channel")
     state = load_file(str(tmp_path / "fp8" / "model.safetensors"))
@@ -212,7 +255,7 @@ def test_fp8_checkpoint_without_scales_is_refused(tiny: Path, tmp_path: Path) ->
 
 @pytest.mark.parametrize("qc, match", [
     ({"quant_method": "awq", "bits": 4}, "awq"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
         "num_bits": 4, "type": "int", "strategy": "group"}}}}, "compressed-tensors"),
 ])

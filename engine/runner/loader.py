@@ -28,7 +28,7 @@ from engine.config import ModelConfig, ModelLoadError
 from engine.parallel.partition import COLUMN, Partition, cut, projection
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.synthetic import MARKER, is_synthetic, synthetic_dir, synthetic_model
-from kernels.fp8 import FP8, Fp8Linear
+from kernels.fp8 import FP8, Fp8Linear, quantize_weight
 
 if TYPE_CHECKING:
     from engine.parallel.collectives import TPGroup
@@ -194,6 +194,8 @@ def _load_checkpoint(folder: Path, dtype: torch.dtype, device: str | torch.devic
     def put_fp8(name: str, *parts: str) -> None:
         """`put`, and the parts' `weight_scale`s as one fp32 scale per row (a per-tensor
         scale repeated over its part's rows)."""
+        if cfg.fp8_block is not None:
+            return put_fp8_blocks(name, *parts)
         scales = [n + "_scale" for n in parts]
         missing.extend(n for n in (*parts, *scales) if n not in hf)
         if not all(n in hf for n in (*parts, *scales)):
@@ -204,6 +206,18 @@ def _load_checkpoint(folder: Path, dtype: torch.dtype, device: str | torch.devic
             _row_scales(hf.read(s), w.shape[0], part if projection(n) in COLUMN else None,
                         projection(n))
             for n, s, w in zip(parts, scales, found, strict=True)])
+
+    def put_fp8_blocks(name: str, *parts: str) -> None:
+        """A block-wise FP8 checkpoint's parts (`weight_scale_inv`: one scale per block)
+        dequantized, cut to this rank's slice, and quantized again with a scale per row."""
+        assert cfg.fp8_block is not None
+        scales = [n + "_scale_inv" for n in parts]
+        missing.extend(n for n in (*parts, *scales) if n not in hf)
+        if not all(n in hf for n in (*parts, *scales)):
+            return
+        whole = [cut(_dequantize_blocks(hf.read(n), hf.read(s), cfg.fp8_block, n), part,
+                     projection(n)) for n, s in zip(parts, scales, strict=True)]
+        ours[name], ours[name + "_scale"] = quantize_weight(torch.cat(whole))
 
     for name in ("embed_tokens.weight", "norm.weight"):
         put(name, name)
@@ -272,6 +286,19 @@ def _read_kv_scales(model: LlamaForCausalLM, hf: Checkpoint) -> None:
                 raise ModelLoadError(f"{name} must be one positive scale or one per KV head "
                                      f"({attn.num_kv_heads} on this rank), got {s.tolist()}")
             attn.kv_scales[row] = s.to(attn.kv_scales.device)
+
+
+def _dequantize_blocks(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
+                       name: str) -> torch.Tensor:
+    """q [out, in] FP8 with s [ceil(out / rows), ceil(in / cols)] fp32, one scale per block
+    -> the fp32 weight."""
+    rows, cols = block
+    out, inp = q.shape
+    if tuple(s.shape) != (-(-out // rows), -(-inp // cols)):
+        raise ModelLoadError(f"{name}_scale_inv has shape {tuple(s.shape)}, expected "
+                             f"{(-(-out // rows), -(-inp // cols))} for {block} blocks")
+    full = s.float().repeat_interleave(rows, 0)[:out].repeat_interleave(cols, 1)[:, :inp]
+    return q.float() * full
 
 
 def _row_scales(s: torch.Tensor, rows: int, part: Partition | None, proj: str) -> torch.Tensor:
