@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.cpu_attention import CHUNK_SCORES, attend_chunk
 from kernels.fp8_kv import dequantize_kv, fp8_dot_operand, is_fp8, kernel_operands
 
 # Decode: (BLOCK_N, num_warps, num_stages, waves of programs the splits aim for), for small
@@ -191,6 +192,9 @@ def paged_prefill_torch(
         if ctx > end - start:
             q_pos = torch.arange(ctx - (end - start), ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # (n, ctx)
+        if mask is not None and mask.numel() * q.shape[1] <= CHUNK_SCORES:
+            out[start:end] = attend_chunk(q[start:end], ks, vs, mask, scale)
+            continue
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
         )

@@ -98,3 +98,20 @@ def test_rows_are_grouped_by_length_when_padding_costs_more_than_a_group() -> No
                for mask in range(2**7)
                for c in [[i + 1 for i in range(7) if mask >> i & 1]])
     assert cost(_groups(lens, page)) == best
+
+
+@pytest.mark.parametrize("n, ctx, heads, kv_heads", [(1, 7, 4, 4), (5, 300, 9, 3), (37, 64, 8, 1)])
+def test_chunk_over_a_cached_context_matches_sdpa(n: int, ctx: int, heads: int,
+                                                  kv_heads: int) -> None:
+    """`attend_chunk` (a verify step's or a prefill chunk's queries over their cached context)
+    against SDPA with the same causal mask."""
+    from kernels.cpu_attention import attend_chunk
+
+    g = torch.Generator().manual_seed(n * ctx)
+    q = torch.randn(n, heads, 32, generator=g)
+    k, v = (torch.randn(kv_heads, ctx, 32, generator=g) for _ in range(2))
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k, v, attn_mask=mask, scale=0.2, enable_gqa=heads > kv_heads)
+    torch.testing.assert_close(attend_chunk(q, k, v, mask, 0.2), want.transpose(0, 1),
+                               rtol=1e-5, atol=1e-5)
