@@ -9,14 +9,10 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from engine.core.request import Request
-from engine.core.scheduler import ScheduledSeq
-from engine.runner.model_runner import ModelRunner
-from engine.runner.step_inputs import StepInputs
 from kernels.fp8 import Fp8Linear
+from tests.test_fp8_linear import _prefill_logits
 
 FP8 = dict(quantization="fp8", kv_cache_dtype="fp8")
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -46,15 +42,7 @@ def test_the_model_and_pool_are_fp8(fp8_smollm2: LLM) -> None:
 def _teacher_forced_argmax(llm: LLM, ids: list[int]) -> list[int]:
     """The engine's model (FP8 weights, FP8 KV) over `ids` in one prefill: each position's
     greedy next token."""
-    model = llm.engine.model
-    runner = ModelRunner(model, num_pages=len(ids) // 16 + 2, page_size=16,
-                         kv_dtype=llm.engine.runner.kv_pool.dtype)
-    req = Request("tf", ids, SamplingParams())
-    req.pages = list(range(len(ids) // 16 + 1))
-    seqs = [ScheduledSeq(req, 0, len(ids))]
-    ids_t, pos, meta, _ = runner._prepare(StepInputs.build(seqs, runner.page_size))
-    with torch.inference_mode():
-        logits = model.compute_logits(model(ids_t, pos, runner.kv_caches, meta))
+    logits = _prefill_logits(llm.engine.model, ids, llm.engine.runner.kv_pool.dtype)
     return logits.argmax(-1).tolist()
 
 

@@ -247,7 +247,7 @@ def _load_checkpoint(folder: Path, dtype: torch.dtype, device: str | torch.devic
         if cfg.quantization == "fp8":
             swap_projections_(model, lambda lin: Fp8Linear(
                 lin.in_features, lin.out_features, lin.bias is not None, dtype))
-    expected = {k: v for k, v in model.state_dict().items()}
+    expected = dict(model.state_dict())
     for name, t in ours.items():
         if tuple(t.shape) != tuple(expected[name].shape):
             raise ModelLoadError(
