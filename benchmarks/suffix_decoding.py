@@ -1,8 +1,8 @@
 """Suffix decoding on agent traffic: plain decoding, prompt lookup and suffix decoding on the
 same multi-turn traces, one engine, same run, greedy (outputs must be identical).
 
-    python benchmarks/suffix_decoding.py [--batch 1] [--sessions 6] [--rounds 2]
-        [--modes plain,ngram:4,suffix:4,suffix:8] [--out results.json]
+    python benchmarks/suffix_decoding.py [--device cpu] [--dtype auto] [--batch 1]
+        [--sessions 6] [--rounds 2] [--modes plain,ngram:4,suffix:4,suffix:8] [--out results.json]
 
 Traces (each session's turns in order, each turn's prompt the whole conversation so far;
 `--batch` sessions run side by side, their turns batched together):
@@ -126,6 +126,11 @@ def run_trace(llm: LLM, turns_of, sessions: int, batch: int) -> tuple[Totals, li
     return totals, outputs
 
 
+def _k(mode: str) -> int:
+    """The draft length of `mode` (0 for `plain`, which runs on the shortest's engine)."""
+    return int(mode.split(":")[1]) if ":" in mode else 0
+
+
 def speculator(mode: str, max_batch: int) -> Speculator | None:
     if mode == "plain":
         return None
@@ -138,6 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--sessions", type=int, default=6)
     ap.add_argument("--modes", default="plain,ngram:4,suffix:4,suffix:8")
@@ -146,16 +152,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     modes = args.modes.split(",")
-    k_max = max([int(m.split(":")[1]) for m in modes if ":" in m] or [4])
-    llm = LLM(model=args.model, device=args.device, max_num_seqs=max(16, args.batch),
-              num_pages=2048, num_speculative_tokens=k_max)
-    assert llm.engine.speculator is not None
-    max_batch = llm.engine.speculator.max_batch  # the engine's choice for its device
-    llm.engine.speculator = None
-    llm.generate([llm.tokenizer.encode("warm up")], [SamplingParams(max_tokens=4)])
-    report: dict[str, dict[str, object]] = {"machine": {"device": args.device, "batch": args.batch,
-                                           "sessions": args.sessions, "date": time.strftime(
-                                               "%Y-%m-%d")}}
+    # A CUDA engine's verify graphs hold 1 + k queries a sequence, so each draft length gets
+    # its own engine (the weights are loaded once per engine; plain decoding runs on the first).
+    llms: dict[int, LLM] = {}
+    ks = sorted({_k(mode) for mode in modes} - {0}) or [4]
+    for k in ks:
+        llms[k] = llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
+                            max_num_seqs=max(16, args.batch), num_pages=2048,
+                            num_speculative_tokens=k)
+        assert llm.engine.speculator is not None
+        max_batch = llm.engine.speculator.max_batch  # the engine's choice for its device
+        llm.engine.speculator = None
+        llm.generate([llm.tokenizer.encode("warm up")], [SamplingParams(max_tokens=4)])
+    machine = {"device": args.device, "dtype": str(llm.engine.cfg.dtype), "batch": args.batch,
+               "sessions": args.sessions, "date": time.strftime("%Y-%m-%d")}
+    report: dict[str, dict[str, object]] = {"machine": machine}
     for trace in args.traces.split(","):
         totals = {mode: Totals() for mode in modes}
         stats = {mode: SpecStats() for mode in modes}
@@ -163,6 +174,7 @@ def main() -> None:
         plain_ids = None
         for _ in range(args.rounds):  # the modes alternate, so drift hits all alike
             for mode in modes:
+                llm = llms[_k(mode) or ks[0]]
                 llm.engine.reset_prefix_cache()
                 llm.engine.speculator = spec = speculator(mode, max_batch)
                 try:

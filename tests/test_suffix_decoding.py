@@ -7,11 +7,12 @@ run; and no draft ever carries another tenant's text (a planted secret)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.sampling.params import SamplingParams
 from engine.spec.speculative import PromptLookup, Speculator
 from engine.spec.suffix import ANCHOR, SuffixDrafter
-from tests.test_speculative import _assert_same_outputs, _mixed_workload
+from tests.test_speculative import _assert_same_outputs, _mixed_workload, looping
 
 
 def test_drafts_follow_the_namespaces_earlier_outputs():
@@ -103,6 +104,49 @@ def test_outputs_are_those_of_plain_decoding_and_a_second_run_drafts_more(smollm
     assert again[1] > drafted[1]  # the second run drew on the first's outputs
     eng.reset_prefix_cache()
     assert eng.allocator.num_free == free
+
+
+def test_the_loops_drafts_follow_the_hosts_hint():
+    """The overlapped loop's device half (`propose_on_device` with hints): a row whose last
+    tokens are in its hint drafts what follows them there, fillers from prompt lookup past
+    the hint's end; a row that left its hint, or has none, drafts as prompt lookup does."""
+    d = SuffixDrafter()
+    rows = [[5, 6, 10, 11, 12, 13],  # the host saw up to 11; the device took 12, 13
+            [5, 6, 10, 11, 12, 13],  # the same, but the hint's draft ends at 14
+            [5, 6, 10, 11, 99, 98],  # the device left the hint
+            [7, 8, 7, 8, 7, 8]]  # no hint
+    hints = [[5, 6, 10, 11, 12, 13, 14, 15, 16, 17, 18], [5, 6, 10, 11, 12, 13, 14],
+             [5, 6, 10, 11, 12, 13, 14, 15], []]
+    tokens = torch.tensor([r + [0, 0] for r in rows])
+    lengths = torch.tensor([len(r) for r in rows])
+    own, own_looked = d.lookup.propose_on_device(tokens, lengths, 4)
+    drafts, looked = d.propose_on_device(tokens, lengths, 4, hints)
+    assert drafts[0].tolist() == [14, 15, 16, 17] and looked[0] == 4
+    assert drafts[1, 0] == 14 and drafts[1, 1:].tolist() == own[1, 1:].tolist()
+    assert looked[1] == 1
+    assert drafts[2:].tolist() == own[2:].tolist() and looked[2:].tolist() == \
+        own_looked[2:].tolist()
+
+
+def test_the_overlapped_loop_drafts_from_the_corpus(smollm2):
+    """In the overlapped loop (CUDA's default; run here on the CPU) suffix decoding drafts from
+    earlier outputs through the host's hints: outputs are those of plain decoding, and a
+    second run of the same requests emits more tokens per verify step than its first."""
+    prompts, params, plain = _mixed_workload(smollm2)
+    eng = smollm2.engine
+    eng.reset_prefix_cache()
+    with looping(smollm2) as (spec, steps):
+        spec.drafter = SuffixDrafter()
+        first = smollm2.generate(prompts, params)
+        once = spec.stats.emitted / spec.stats.forwards
+        emitted, forwards = spec.stats.emitted, spec.stats.forwards
+        eng.reset_prefix_cache()
+        second = smollm2.generate(prompts, params)
+        twice = (spec.stats.emitted - emitted) / (spec.stats.forwards - forwards)
+    _assert_same_outputs(first, plain)
+    _assert_same_outputs(second, plain)
+    assert steps and twice > once + 0.5, (once, twice)
+    eng.reset_prefix_cache()
 
 
 SECRET = "The vault code is QX-7731-ZEBRA-PLUM."

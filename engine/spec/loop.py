@@ -5,8 +5,9 @@ A synchronous speculative step (engine/spec/steps.py `SpeculativeStep`) drafts o
 the tokens the host has, so the device idles while the host reads a step's tokens, appends them,
 drafts and launches the next one: at batch 16 on an H100, a sixth of the step. Here the
 sequences' tokens are kept on the device as well (`DraftLoop.tokens`): the drafter proposes
-there (`DeviceDrafter.propose_on_device`), the step's inputs are built there, and its draws are
-compared with its drafts there, which appends the accepted tokens and advances each sequence.
+there (`DeviceDrafter.propose_on_device`, from the host's hints where it makes them), the
+step's inputs are built there, and its draws are compared with its drafts there, which appends
+the accepted tokens and advances each sequence.
 The host reads a step's draws and drafts while the device computes the next step, and runs them
 through the stop checks exactly as after a synchronous step (engine/spec/steps.py
 `advance_drafted`).
@@ -82,7 +83,9 @@ class DraftLoop:
                 t.index_select(0, kept) for t in (self.tokens, self.lengths, self.prompt_lens))
             self.reqs = reqs
         s, q = len(reqs), self.k + 1
-        drafts, looked = self.drafter.propose_on_device(self.tokens, self.lengths, self.k)
+        hints = getattr(self.drafter, "hints", None)  # the host's half of suffix drafts
+        drafts, looked = self.drafter.propose_on_device(
+            self.tokens, self.lengths, self.k, hints(reqs, self.k) if hints else None)
         host_drafts = to_host(torch.cat([drafts, looked.unsqueeze(1)], dim=1))
         tables = upload([flat_tables([r.pages for r in reqs])], torch.int32,
                         self.device)[0].view(s, -1)

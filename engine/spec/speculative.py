@@ -60,11 +60,13 @@ class DeviceDrafter(Drafter, Protocol):
     """A drafter the overlapped speculative loop can run (engine/spec/loop.py): it proposes on
     the device, from tokens the host has not seen yet."""
 
-    def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor,
-                          k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor, k: int,
+                          hints: list[list[int]] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exactly `k` drafts per row of `tokens` (S, W) int64, whose first `lengths` (S,)
         entries are each sequence (the rest is unread): (S, k) int64, and (S,) how many of
-        them lead that `propose` would give (the rest fill a step's fixed shape)."""
+        them lead that `propose` would give (the rest fill a step's fixed shape). `hints`:
+        the host's drafts from tokens it has seen, for a drafter that makes them (`hints`)."""
         ...
 
 
@@ -99,12 +101,14 @@ class PromptLookup:
             return []
         return tokens[best + 1 : best + 1 + k]
 
-    def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor,
-                          k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor, k: int,
+                          hints: list[list[int]] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """`propose` for every row at once, in one kernel (`kernels.spec_decode`). A verify
         step computes k positions whatever they hold, so a row always gets k drafts: where
         `propose` would give fewer (no match of `min_ngram`, or the match's continuation
-        reaches the end) the best shorter match fills in, then the last token repeated."""
+        reaches the end) the best shorter match fills in, then the last token repeated.
+        It makes no `hints`."""
         return prompt_lookup(tokens, lengths, k, self.min_ngram, self.max_ngram, self.window)
 
 

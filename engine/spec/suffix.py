@@ -21,6 +21,13 @@ draft inside the sequence; `SuffixDrafter` also looks in a corpus of earlier out
   the candidates disagreeing dropping out as it goes. Its length adapts to the match: at
   most twice the match length, and the engine's ceiling (`--num-speculative-tokens`).
 
+In the overlapped loop on CUDA (engine/spec/loop.py) the device runs a step ahead of the host,
+so the drafts are made in two halves. When it queues a step, the host drafts from the tokens
+it has (`hints`: its last tokens, then a draft as long as the device may have run ahead plus
+k), and the device finds where its own last tokens are in that hint and drafts what follows
+(`propose_on_device`); a row whose tokens left the hint drafts by prompt lookup on the device,
+from the sequence alone. A hint the device keeps following is not drafted again.
+
 Drafts are verified as any (engine/spec/speculative.py), so outputs are exactly those of
 plain decoding. Linear drafts, not trees: a verify step costs the same for a chain of k
 tokens as for a tree of k nodes, and where candidates disagree the draft stops at the
@@ -34,9 +41,13 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 import torch
 
+from engine.core.request import Request
 from engine.spec.speculative import PromptLookup, earlier_matches
+from kernels.spec_decode import leading_true, prompt_lookup
+from kernels.upload import upload_arrays
 
 ANCHOR = 3  # tokens of the corpus index's n-grams: the shortest match looked up there
 CONTEXT = 16  # prompt tokens kept before each output
@@ -105,6 +116,8 @@ class SuffixDrafter:
         self._lru: OrderedDict[int, Hashable] = OrderedDict()  # entry -> namespace
         self._next = 0
         self.num_tokens = 0
+        # the loop's requests: (their token count when hinted, the hint's draft)
+        self._hinted: dict[str, tuple[int, list[int]]] = {}
 
     # -- learning ---------------------------------------------------------------------------
 
@@ -151,11 +164,58 @@ class SuffixDrafter:
         return [(tokens, i + 1, n)
                 for i, n in earlier_matches(tokens, self.lookup.window, MAX_MATCH) if n >= 2]
 
-    def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor,
-                          k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The overlapped loop's drafts (`DeviceDrafter`): the sequences' own, on the device;
-        the corpus is searched only by `propose`, on the host."""
-        return self.lookup.propose_on_device(tokens, lengths, k)
+    def hints(self, reqs: Sequence[Request], k: int) -> list[list[int]]:
+        """For each of the loop's requests, its last `max_ngram` tokens, then what `propose`
+        drafts after them, up to 2k + 1 tokens (the device may be 1 + k tokens ahead and
+        drafts k); [] where it drafts nothing. A hint whose draft the request has followed
+        since, with 2 tokens of it left, is kept rather than drafted again."""
+        tail, out, hinted = self.lookup.max_ngram, [], {}
+        for req in reqs:
+            tokens, n = req.token_ids, req.num_tokens
+            at, draft = self._hinted.get(req.request_id, (n, []))
+            done = n - at
+            if len(draft) - done < 2 or draft[:done] != tokens[at:]:
+                at, draft = n, self.propose(tokens, 2 * k + 1, req.namespace)
+            hinted[req.request_id] = (at, draft)
+            out.append(tokens[-tail:] + draft[n - at :] if draft else [])
+        self._hinted = hinted  # requests that left the loop are forgotten
+        return out
+
+    def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor, k: int,
+                          hints: list[list[int]] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The overlapped loop's drafts (`DeviceDrafter`): where a row's last tokens are found
+        in its hint (`hints`), what follows them there; elsewhere the sequence's own, by prompt
+        lookup on the device."""
+        drafts, looked = self.lookup.propose_on_device(tokens, lengths, k)
+        if not hints or not any(hints):
+            return drafts, looked
+        return _follow(tokens, lengths, hints, drafts, looked, self.lookup.max_ngram)
+
+
+def _follow(tokens: torch.Tensor, lengths: torch.Tensor, hints: list[list[int]],
+            drafts: torch.Tensor, looked: torch.Tensor, tail: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's hint, then -2, then the row's last `tail` tokens (as of the device),
+    searched by prompt lookup: a match in the hint drafts what follows it there, the drafts
+    past the hint's end taken from `drafts`; a row with no match of 2 tokens keeps `drafts`
+    and `looked`."""
+    rows, k = drafts.shape
+    width = max(map(len, hints))
+    hay = np.full((rows, width + 1), -1, np.int64)  # hints to the right, -1 before them
+    for i, hint in enumerate(hints):
+        hay[i, width - len(hint) : width] = hint
+    hay[:, width] = -2  # matches the sequence's end, -1 and -2 never do
+    side = upload_arrays({"hay": hay}, tokens.device)["hay"]
+    back = (lengths - 1).unsqueeze(1) - torch.arange(tail - 1, -1, -1, device=tokens.device)
+    hay_t = torch.cat([side, tokens.gather(1, back.clamp(min=0))], dim=1)
+    span = hay_t.new_full((rows,), hay_t.shape[1])
+    found, n = prompt_lookup(hay_t, span, k, 2, tail, hay_t.shape[1])
+    before_end = leading_true(found >= 0)  # drafts before the hint's end (the -2)
+    n = torch.minimum(n, before_end)
+    inside = torch.arange(k, device=found.device) < before_end.unsqueeze(1)
+    use = n > 0
+    return (torch.where(use.unsqueeze(1) & inside, found, drafts), torch.where(use, n, looked))
 
 
 def _match(tokens: Sequence[int], source: Sequence[int], end: int, n: int) -> int:
