@@ -22,11 +22,13 @@ draft inside the sequence; `SuffixDrafter` also looks in a corpus of earlier out
   most twice the match length, and the engine's ceiling (`--num-speculative-tokens`).
 
 In the overlapped loop on CUDA (engine/spec/loop.py) the device runs a step ahead of the host,
-so the drafts are made in two halves. When it queues a step, the host drafts from the tokens
-it has (`hints`: its last tokens, then a draft as long as the device may have run ahead plus
-k), and the device finds where its own last tokens are in that hint and drafts what follows
-(`propose_on_device`); a row whose tokens left the hint drafts by prompt lookup on the device,
-from the sequence alone. A hint the device keeps following is not drafted again.
+so the drafts are made in two halves. When it queues a step, the host drafts from the corpus
+with the tokens it has (`hints`: its last tokens, then a draft as long as the device may have
+run ahead plus k), and the device finds where its own last tokens are in that hint and drafts
+what follows (`propose_on_device`); a row whose tokens left the hint, or that has none, drafts
+from the sequence alone, by prompt lookup on the device. A hint the device keeps following is
+not drafted again, and the host never scans the sequence: in the loop the host's time per step
+is what a small model's step costs.
 
 Drafts are verified as any (engine/spec/speculative.py), so outputs are exactly those of
 plain decoding. Linear drafts, not trees: a verify step costs the same for a chain of k
@@ -147,17 +149,19 @@ class SuffixDrafter:
     def propose(self, tokens: list[int], k: int, namespace: Hashable = None) -> list[int]:
         if k <= 0 or len(tokens) < 2:
             return []
-        found = self._in_sequence(tokens)
+        return _draft(self._in_sequence(tokens) + self._in_corpus(tokens, namespace), k)
+
+    def _in_corpus(self, tokens: list[int], namespace: Hashable) -> list[Candidate]:
+        """Earlier outputs' occurrences of the sequence's last ANCHOR tokens (the entries
+        count as used)."""
         corpus = self._corpora.get(namespace)
-        if corpus is not None and len(tokens) >= ANCHOR:
-            for key, cand in corpus.candidates(tokens):
-                found.append(cand)
-                self._lru.move_to_end(key)
-        if not found:
+        if corpus is None or len(tokens) < ANCHOR:
             return []
-        best = max(n for _, _, n in found)
-        voters = [(src, at) for src, at, n in found if n >= min(best, LONG_MATCH)]
-        return _vote(voters, min(k, 2 * best))
+        found = []
+        for key, cand in corpus.candidates(tokens):
+            found.append(cand)
+            self._lru.move_to_end(key)
+        return found
 
     def _in_sequence(self, tokens: list[int]) -> list[Candidate]:
         """Earlier occurrences of the sequence's last two tokens or more (prompt lookup's)."""
@@ -165,17 +169,18 @@ class SuffixDrafter:
                 for i, n in earlier_matches(tokens, self.lookup.window, MAX_MATCH) if n >= 2]
 
     def hints(self, reqs: Sequence[Request], k: int) -> list[list[int]]:
-        """For each of the loop's requests, its last `max_ngram` tokens, then what `propose`
-        drafts after them, up to 2k + 1 tokens (the device may be 1 + k tokens ahead and
-        drafts k); [] where it drafts nothing. A hint whose draft the request has followed
-        since, with 2 tokens of it left, is kept rather than drafted again."""
+        """For each of the loop's requests, its last `max_ngram` tokens, then what its
+        namespace's earlier outputs draft after them (the device looks in the sequence
+        itself), up to 2k + 1 tokens (the device may be 1 + k tokens ahead and drafts k); []
+        where they draft nothing. A hint whose draft the request has followed since, with 2
+        tokens of it left, is kept rather than drafted again."""
         tail, out, hinted = self.lookup.max_ngram, [], {}
         for req in reqs:
             tokens, n = req.token_ids, req.num_tokens
             at, draft = self._hinted.get(req.request_id, (n, []))
             done = n - at
             if len(draft) - done < 2 or draft[:done] != tokens[at:]:
-                at, draft = n, self.propose(tokens, 2 * k + 1, req.namespace)
+                at, draft = n, _draft(self._in_corpus(tokens, req.namespace), 2 * k + 1)
             hinted[req.request_id] = (at, draft)
             out.append(tokens[-tail:] + draft[n - at :] if draft else [])
         self._hinted = hinted  # requests that left the loop are forgotten
@@ -216,6 +221,15 @@ def _follow(tokens: torch.Tensor, lengths: torch.Tensor, hints: list[list[int]],
     inside = torch.arange(k, device=found.device) < before_end.unsqueeze(1)
     use = n > 0
     return (torch.where(use.unsqueeze(1) & inside, found, drafts), torch.where(use, n, looked))
+
+
+def _draft(found: list[Candidate], k: int) -> list[int]:
+    """The draft of the candidates that match longest (see the module's text)."""
+    if not found:
+        return []
+    best = max(n for _, _, n in found)
+    voters = [(src, at) for src, at, n in found if n >= min(best, LONG_MATCH)]
+    return _vote(voters, min(k, 2 * best))
 
 
 def _match(tokens: Sequence[int], source: Sequence[int], end: int, n: int) -> int:
