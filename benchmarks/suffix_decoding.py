@@ -13,12 +13,14 @@ Traces (each session's turns in order, each turn's prompt the whole conversation
     summary's phrasing), not the values.
   - code_edit: each turn rewrites the function the turn before returned, renaming one more
     identifier, and shows the whole function; sessions start from different functions.
-The first mode is the baseline. Every mode starts each round from an empty suffix corpus:
-what suffix decoding drafts from earlier sessions it learned within that run of the trace.
-The modes alternate over `--rounds`, and figures sum the rounds. Reported per trace and
-mode: decode time per output token (after each request's first token: the prefill is the
-same in every mode) and its ratio to the baseline's, accepted drafts, and output tokens per
-verify step.
+Modes: `plain`, `ngram:K` (prompt lookup), `suffix:K`, and `suffix-nohints:K` (suffix
+decoding whose overlapped loop on CUDA drafts from the sequence alone, without the host's
+hints from the corpus: an A/B of those). The first mode is the baseline. Every mode starts
+each round from an empty suffix corpus: what suffix decoding drafts from earlier sessions it
+learned within that run of the trace. The modes alternate over `--rounds`, and figures sum
+the rounds. Reported per trace and mode: decode time per output token (after each request's
+first token: the prefill is the same in every mode) and its ratio to the baseline's, accepted
+drafts, and output tokens per verify step.
 """
 
 from __future__ import annotations
@@ -135,7 +137,9 @@ def speculator(mode: str, max_batch: int) -> Speculator | None:
     if mode == "plain":
         return None
     method, k = mode.split(":")
-    drafter = SuffixDrafter() if method == "suffix" else PromptLookup()
+    drafter = SuffixDrafter() if method.startswith("suffix") else PromptLookup()
+    if method == "suffix-nohints":  # the overlapped loop's drafts from the sequence alone
+        drafter.hints = None  # type: ignore[assignment,method-assign]
     return Speculator(int(k), drafter, max_batch=max_batch)
 
 

@@ -211,14 +211,21 @@ def test_verify_graphs_match_cpu(tiny):
     assert replays and max(replays) == len(prompts), replays
 
 
-def test_speculative_loop_matches_cpu(tiny):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_loop_matches_cpu(tiny, method, monkeypatch):
     """The overlapped speculative loop (engine/spec/loop.py) on CUDA: drafts looked up on the
     device, its steps replaying the verify graphs over inputs built on the device
     (`VerifyGraphs.run_fed`), two adapters and the base model, sequences leaving as they end.
     Every step verifies (min_acceptance 0). The tokens equal the CPU engine's loop, which runs
-    the same steps eagerly, and plain decoding's."""
+    the same steps eagerly, and plain decoding's. Suffix decoding runs the requests twice, the
+    second time drafting from the first's outputs through the host's hints (kept on: this
+    small model's host never waits, and `HintGate` would turn them off)."""
     from engine import SamplingParams
-    from engine.spec.speculative import Speculator
+    from engine.spec.loop import HintGate
+    from engine.spec.speculative import PromptLookup, Speculator
+    from engine.spec.suffix import SuffixDrafter
+
+    monkeypatch.setattr(HintGate, "update", lambda self, waited, cost: None)
 
     base, adapters = tiny
     requests = [None, "all8", None, "qv4", "all8"]
@@ -232,12 +239,17 @@ def test_speculative_loop_matches_cpu(tiny):
         llm = _speculating_engine(base, adapters, device)
         eng = llm.engine
         outs[f"{device} plain"] = [o.token_ids for o in llm.generate(prompts, params)]
-        eng.speculator, eng.overlap = Speculator(4, min_acceptance=0.0), True
+        drafter = SuffixDrafter() if method == "suffix" else PromptLookup()
+        eng.speculator = Speculator(4, drafter, min_acceptance=0.0)
+        eng.overlap = True
         if device == "cuda":
             graphs = eng.runner.verify_graphs
             graphs.run_fed = lambda f, run=graphs.run_fed: fed.append(len(f.lora_slots)) or \
                 run(f)
         outs[device] = [o.token_ids for o in llm.generate(prompts, params)]
+        if method == "suffix":
+            eng.reset_prefix_cache()
+            assert [o.token_ids for o in llm.generate(prompts, params)] == outs[device]
         assert eng.speculator.stats.forwards >= 2 * len(prompts)
     assert outs["cuda"] == outs["cpu"] == outs["cpu plain"] == outs["cuda plain"]
     assert fed and max(fed) == len(prompts) and min(fed) < len(prompts), fed

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.sampling.params import SamplingParams
+from engine.spec.loop import SLACK, HintGate
 from engine.spec.speculative import PromptLookup, Speculator
 from engine.spec.suffix import ANCHOR, SuffixDrafter
 from tests.test_speculative import _assert_same_outputs, _mixed_workload, looping
@@ -126,6 +127,27 @@ def test_the_loops_drafts_follow_the_hosts_hint():
     assert looked[1] == 1
     assert drafts[2:].tolist() == own[2:].tolist() and looked[2:].tolist() == \
         own_looked[2:].tolist()
+
+
+def test_hints_are_drafted_while_the_host_waits_on_the_device():
+    """`HintGate`: on while the host still waits for each step after drafting hints; off
+    within a few steps once it does not (the host is the bottleneck), and on again only when
+    the wait exceeds what the hints cost."""
+    gate = HintGate()
+    for _ in range(20):  # a large model: the host waits 3 ms a step, hints take 0.4 ms
+        gate.update(3e-3, 4e-4)
+    assert gate.on
+    gate, steps = HintGate(), 0
+    while gate.on:  # a small model: the host never waits
+        gate.update(0.0, 4e-4)
+        steps += 1
+    assert steps <= 2
+    for _ in range(50):  # without hints it waits a little, less than they would cost
+        gate.update(4e-4 + SLACK / 2, None)
+    assert not gate.on
+    for _ in range(50):
+        gate.update(4e-4 + 2 * SLACK, None)
+    assert gate.on
 
 
 def test_the_overlapped_loop_drafts_from_the_corpus(smollm2):

@@ -22,6 +22,7 @@ loop goes on without it. When the loop ends is `DraftLoopStep.resume`'s decision
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,38 @@ from kernels.spec_decode import accept, verify_inputs
 from kernels.upload import to_host, upload
 
 HEADROOM = 1024  # tokens a sequence may grow by before the loop must start over, wider
+SLACK = 2e-4  # seconds a step's host must wait on the device, on average, to draft hints
+DECAY = 0.8  # the weight of the past in the averages of `HintGate`
+
+
+class HintGate:
+    """Whether the host drafts hints (`SuffixDrafter.hints`) as it queues a step. They cost
+    the host time and add kernels to the step; while the device computes a step longer than
+    the host prepares one, that is free, and more drafts are accepted. Where the host is the
+    bottleneck (a small model's step on a GPU: SmolLM2 on an H200 took 2.5 ms a step with them
+    against 1.6 without, benchmarks/results/suffix_decoding_h200.md), they only slow it.
+
+    The gate reads how long the host waited for each step's draws. Hints stay on while that
+    averages over `SLACK`; once off, they come back when the wait exceeds what they cost (as
+    last measured) by `SLACK`. On a CPU the forward runs as the step is queued, and nothing is
+    waited for: there they stay on."""
+
+    def __init__(self) -> None:
+        self.on = True
+        self.wait = SLACK  # the averages, in seconds
+        self.cost: float | None = None
+
+    def update(self, waited: float, hint_seconds: float | None) -> None:
+        """A step was read after `waited` seconds; drafting its hints took `hint_seconds`
+        (None: it had none)."""
+        self.wait = DECAY * self.wait + (1 - DECAY) * waited
+        if hint_seconds is not None:
+            self.cost = hint_seconds if self.cost is None else (
+                DECAY * self.cost + (1 - DECAY) * hint_seconds)
+        if self.on:
+            self.on = self.wait >= SLACK
+        else:
+            self.on = self.wait >= (self.cost or 0.0) + SLACK
 
 
 @dataclass
@@ -47,6 +80,7 @@ class LoopStep:
     # (S, k + 1) in (pinned) host memory once the step's draw has arrived: each sequence's
     # drafts, then how many of them lead that were looked up (`DeviceDrafter`)
     drafts: torch.Tensor
+    hint_seconds: float | None = None  # the host's time drafting hints for it
 
 
 class DraftLoop:
@@ -72,9 +106,10 @@ class DraftLoop:
         q = self.k + 1
         return req.num_tokens + (2 * q if in_flight else q) <= self.width
 
-    def launch(self, runner: ModelRunner, reqs: list[Request]) -> LoopStep:
+    def launch(self, runner: ModelRunner, reqs: list[Request], hinted: bool = True) -> LoopStep:
         """Queue a step of `reqs` (the loop's requests, in order, less those the host saw
-        finish) verifying k drafts each; their pages must cover the positions it computes."""
+        finish) verifying k drafts each; their pages must cover the positions it computes.
+        `hinted`: with the drafter's hints, where it makes them (`HintGate`)."""
         if reqs != self.reqs:
             staying = set(reqs)
             keep = [i for i, r in enumerate(self.reqs) if r in staying]
@@ -83,9 +118,11 @@ class DraftLoop:
                 t.index_select(0, kept) for t in (self.tokens, self.lengths, self.prompt_lens))
             self.reqs = reqs
         s, q = len(reqs), self.k + 1
-        hints = getattr(self.drafter, "hints", None)  # the host's half of suffix drafts
+        hints = getattr(self.drafter, "hints", None) if hinted else None
+        start = time.perf_counter()
         drafts, looked = self.drafter.propose_on_device(
             self.tokens, self.lengths, self.k, hints(reqs, self.k) if hints else None)
+        hint_seconds = time.perf_counter() - start if hints else None
         host_drafts = to_host(torch.cat([drafts, looked.unsqueeze(1)], dim=1))
         tables = upload([flat_tables([r.pages for r in reqs])], torch.int32,
                         self.device)[0].view(s, -1)
@@ -99,4 +136,4 @@ class DraftLoop:
         runner.sample(step, rows, offsets=list(range(q)) * s, positions=outputs)
         assert step.drawn is not None
         accept(self.tokens, self.lengths, drafts, step.drawn.tokens.view(s, q))
-        return LoopStep(step, reqs, host_drafts)
+        return LoopStep(step, reqs, host_drafts, hint_seconds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import cast
 
 from engine.core.request import Request
@@ -17,7 +18,7 @@ from engine.core.scheduler import Batch, ScheduledSeq
 from engine.core.steps import StepParts
 from engine.messages import RequestOutput
 from engine.sampling.sampler import SampleResult
-from engine.spec.loop import DraftLoop, LoopStep
+from engine.spec.loop import DraftLoop, HintGate, LoopStep
 from engine.spec.speculative import DeviceDrafter
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class DraftLoopStep:
         self.p = parts
         self.loop: DraftLoop | None = None  # its sequences on the device
         self.ahead: LoopStep | None = None  # its step in flight
+        self.hints = HintGate()
 
     @property
     def in_flight(self) -> bool:
@@ -147,14 +149,17 @@ class DraftLoopStep:
                 return None
             if not self.p.scheduler.reserve(req, need):
                 return None
-        return loop.launch(self.p.runner, reqs)
+        return loop.launch(self.p.runner, reqs, self.hints.on)
 
     def _collect(self, step: LoopStep) -> list[RequestOutput]:
         """Read the step's draws and drafts; advance each request still running by its
         accepted drafts and the token after them, through the stop checks."""
         out = self.p.out
         q = len(step.step.rows) // max(len(step.reqs), 1)
+        start = time.perf_counter()
         results = self.p.runner.collect(step.step)
+        if self.p.runner.device.type == "cuda":  # on a CPU the step ran as it was queued
+            self.hints.update(time.perf_counter() - start, step.hint_seconds)
         drafts = step.drafts.tolist()
         outputs = []
         for i, req in enumerate(step.reqs):
