@@ -217,10 +217,13 @@ def warm_up(device: torch.device, k: int, page_size: int) -> None:
     a serving engine does it at start, not in its first speculative step."""
     if device.type != "cuda":
         return
-    tokens = torch.arange(8, device=device).repeat(2, 1)
+    # Rows as wide as the loop's (a multiple of 256): Triton specializes a kernel on whether
+    # each integer argument (a row's stride, the lookup's span) divides by 16, so a narrower
+    # row would compile other variants than the loop then runs.
+    tokens = torch.arange(256, device=device).remainder(8).repeat(2, 1)
     lengths = torch.full((2,), 8, device=device)
     drafts, _ = prompt_lookup_triton(tokens, lengths, k, 2, 4, 4096)
     tables = torch.zeros(2, -(-(8 + k) // page_size), dtype=torch.int32, device=device)
     ids = verify_inputs_triton(tokens, lengths, lengths // 2, drafts, tables, page_size)[0]
-    accept_triton(tokens.repeat(1, 2), lengths, drafts, ids.view(2, k + 1))
+    accept_triton(tokens, lengths, drafts, ids.view(2, k + 1))
     torch.cuda.synchronize(device)

@@ -135,6 +135,9 @@ class LLMEngine:
         if speculator is not None and cfg.overlap_schedule:
             # The overlapped speculative loop's kernels compile now, not in its first step.
             spec_decode.warm_up(device, speculator.k, cfg.page_size)
+            warm_up = getattr(speculator.drafter, "warm_up", None)
+            if warm_up is not None:
+                warm_up(device, speculator.k)
         host: HostKV | None = self.runner.host_kv
         if host is not None and tp is not None:
             host = SentHostKV(host, tp)  # the workers copy their heads' share of each page

@@ -43,10 +43,11 @@ DECAY = 0.8  # the weight of the past in the averages of `HintGate`
 
 class HintGate:
     """Whether the host drafts hints (`SuffixDrafter.hints`) as it queues a step. They cost
-    the host time and add kernels to the step; while the device computes a step longer than
-    the host prepares one, that is free, and more drafts are accepted. Where the host is the
-    bottleneck (a small model's step on a GPU: SmolLM2 on an H200 took 2.5 ms a step with them
-    against 1.6 without, benchmarks/results/suffix_decoding_h200.md), they only slow it.
+    the host time (on a 2-core CPU, 27 us a step at batch 1 and 133 us at batch 4) and add a
+    dozen small kernels to the step; while the device computes a step longer than the host
+    prepares one, that is free, and more drafts are accepted. Where the host is the
+    bottleneck (a small model's step on a GPU: SmolLM2's on an H200 is mostly host time,
+    benchmarks/results/suffix_decoding_h200.md), it is not.
 
     The gate reads how long the host waited for each step's draws. Hints stay on while that
     averages over `SLACK`; once off, they come back when the wait exceeds what they cost (as

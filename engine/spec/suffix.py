@@ -186,6 +186,16 @@ class SuffixDrafter:
         self._hinted = hinted  # requests that left the loop are forgotten
         return out
 
+    def warm_up(self, device: torch.device, k: int) -> None:
+        """Compile the hints' lookup for `k` drafts (kernels/spec_decode.py `warm_up` compiles
+        the loop's other kernels) on a CUDA device."""
+        if device.type != "cuda":
+            return
+        tokens = torch.arange(256, device=device).repeat(2, 1)
+        lengths = torch.full((2,), 8, device=device)
+        self.propose_on_device(tokens, lengths, k, [list(range(6)), []])
+        torch.cuda.synchronize(device)
+
     def propose_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor, k: int,
                           hints: list[list[int]] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,9 +214,10 @@ def _follow(tokens: torch.Tensor, lengths: torch.Tensor, hints: list[list[int]],
     """Each row's hint, then -2, then the row's last `tail` tokens (as of the device),
     searched by prompt lookup: a match in the hint drafts what follows it there, the drafts
     past the hint's end taken from `drafts`; a row with no match of 2 tokens keeps `drafts`
-    and `looked`."""
+    and `looked`. The rows are as wide as the longest hint could be, so the lookup compiles
+    once (`SuffixDrafter.warm_up`)."""
     rows, k = drafts.shape
-    width = max(map(len, hints))
+    width = tail + 2 * k + 1  # `hints`' longest
     hay = np.full((rows, width + 1), -1, np.int64)  # hints to the right, -1 before them
     for i, hint in enumerate(hints):
         hay[i, width - len(hint) : width] = hint
