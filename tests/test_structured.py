@@ -142,6 +142,15 @@ def test_compiling_grammar_does_not_hold_back_others(smollm2):
     assert eng.allocator.num_used == 0
 
 
+def test_forced_text_encodes_as_the_tokenizer_does(smollm2):
+    """The grammar stage encodes forced text with the Rust tokenizer directly: the same ids
+    as transformers' `encode`, on the kinds of text grammars force."""
+    tok, grammar = smollm2.tokenizer, smollm2.engine.grammar
+    for text in ['{"name": "', '", "city": "', '"}', ' {\n  "arguments": {', "<tool_call>",
+                 '\u00e9t\u00e9 "x"', "  \n\t", "[1, 2, 3]", "</s> and <|im_end|>"]:
+        assert grammar._encode(text) == tok.encode(text, add_special_tokens=False), text
+
+
 def test_jump_forward_appends_forced_tokens(smollm2):
     schema = {
         "type": "object",

@@ -35,6 +35,13 @@ log = logging.getLogger(__name__)
 class GrammarStage:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         self.tokenizer = tokenizer
+        # Forced text is encoded by the Rust tokenizer where there is one: transformers'
+        # wrapper around it costs more than the encoding (74 against 29 us for a forced run
+        # of SmolLM2 on a 2-core CPU), and jump-forward and drafts encode at every step.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._encode: Callable[[str], list[int]] = (
+            (lambda text: backend.encode(text, add_special_tokens=False).ids)
+            if backend is not None else partial(tokenizer.encode, add_special_tokens=False))
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compiler: Any = None  # built on first use or `start`: its worker is a subprocess
@@ -220,9 +227,7 @@ class GrammarStage:
         if not forced:
             return []
         last = req.token_ids[-1]
-        ids = self.tokenizer.encode(
-            self.tokenizer.decode([last]) + forced, add_special_tokens=False
-        )
+        ids = self._encode(self.tokenizer.decode([last]) + forced)
         if len(ids) < 2 or ids[0] != last:
             return []
         return (ids[1:] if with_last else ids[1:-1])[: limit - 1]
