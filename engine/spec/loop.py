@@ -81,7 +81,7 @@ class LoopStep:
     # (S, k + 1) in (pinned) host memory once the step's draw has arrived: each sequence's
     # drafts, then how many of them lead that were looked up (`DeviceDrafter`)
     drafts: torch.Tensor
-    hint_seconds: float | None = None  # the host's time drafting hints for it
+    hint_seconds: float | None = None  # with hints: the host's time proposing its drafts
 
 
 class DraftLoop:

@@ -221,12 +221,12 @@ def _follow(tokens: torch.Tensor, lengths: torch.Tensor, hints: list[list[int]],
     hay = np.full((rows, width + 1), -1, np.int64)  # hints to the right, -1 before them
     for i, hint in enumerate(hints):
         hay[i, width - len(hint) : width] = hint
-    hay[:, width] = -2  # matches the sequence's end, -1 and -2 never do
+    hay[:, width] = -2  # the hint's end; no token equals -1 or -2
     side = upload_arrays({"hay": hay}, tokens.device)["hay"]
     back = (lengths - 1).unsqueeze(1) - torch.arange(tail - 1, -1, -1, device=tokens.device)
     hay_t = torch.cat([side, tokens.gather(1, back.clamp(min=0))], dim=1)
-    span = hay_t.new_full((rows,), hay_t.shape[1])
-    found, n = prompt_lookup(hay_t, span, k, 2, tail, hay_t.shape[1])
+    whole = hay_t.new_full((rows,), hay_t.shape[1])  # every row's length: all of it
+    found, n = prompt_lookup(hay_t, whole, k, 2, tail, hay_t.shape[1])
     before_end = leading_true(found >= 0)  # drafts before the hint's end (the -2)
     n = torch.minimum(n, before_end)
     inside = torch.arange(k, device=found.device) < before_end.unsqueeze(1)
