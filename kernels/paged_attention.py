@@ -32,7 +32,14 @@ import triton
 import triton.language as tl
 
 from kernels.cpu_attention import CHUNK_SCORES, attend_chunk
-from kernels.fp8_kv import dequantize_kv, fp8_dot_operand, is_fp8, kernel_operands
+from kernels.fp8_kv import (
+    E4M3_TILE_SCALE,
+    dequantize_kv,
+    e4m3_tile,
+    fp8_dot_operand,
+    is_fp8,
+    kernel_operands,
+)
 
 # Decode: (BLOCK_N, num_warps, num_stages, waves of programs the splits aim for), for small
 # and large batches (x KV heads); prefill: (tile rows = queries x grouped heads, BLOCK_N,
@@ -50,9 +57,10 @@ VERIFY_CONFIG = (32, 32, 4, 2, 2)
 # for 16 decodes x 8 splits, 2.8 against 3.4 for 5 tokens x 64 splits.
 MERGE_WARPS = 1
 # An FP8 cache's, from an H200 sweep (8B shapes, contexts of 1k-8k, batch 1-128). In CUDA
-# graphs decode runs at 1.01-1.07x bf16's speed for batch 16-128 and 0.84-0.90x for batch 1
+# graphs decode ran at 1.01-1.07x bf16's speed for batch 16-128 and 0.84-0.90x for batch 1
 # (the E4M3 -> fp16 conversions, not the bytes, bound it); prefill at 1.01x on 2k chunks,
-# 1.2-1.9x on short chunks over long contexts.
+# 1.2-1.9x on short chunks over long contexts. Converting in PTX (`e4m3_tile`) since: decode
+# 1.09x bf16's at batch 64 x 1k, 1.19x at 16 x 8k, still about half its bytes per second.
 DECODE_CONFIG_FP8 = (128, 4, 3, 4)
 PREFILL_CONFIG_FP8 = (128, 128, 8, 2, 2)
 VERIFY_CONFIG_FP8 = (32, 128, 4, 3, 2)
@@ -349,7 +357,7 @@ def _decode_split_kernel(
     )  # (G_PAD, D_PAD)
     if FP8:
         q = fp8_dot_operand(q)
-        scale = scale * tl.load(kvs_ptr + kvh)
+        scale = scale * tl.load(kvs_ptr + kvh) * E4M3_TILE_SCALE
     if UPCAST:
         q = q.to(tl.float32)
     m = tl.full((G_PAD,), float("-inf"), tl.float32)
@@ -367,8 +375,7 @@ def _decode_split_kernel(
         v = tl.load(v_ptr + slot[:, None] * s_v_slot + kvh * s_v_h + d[None, :],
                     mask=kv_mask, other=0.0)
         if FP8:
-            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-            v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            k, v = e4m3_tile(k, UPCAST).to(q.dtype), e4m3_tile(v, UPCAST).to(q.dtype)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BLOCK_N)
@@ -380,7 +387,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     if FP8:
-        acc = acc * tl.load(kvs_ptr + s_kvs + kvh)
+        acc = acc * (tl.load(kvs_ptr + s_kvs + kvh) * E4M3_TILE_SCALE)
     # Partials of an empty split: m = -inf, l = 0, acc = 0; the merge gives them weight 0.
     row = (b * (G * tl.num_programs(1)) + heads) * splits + split  # (G_PAD,) in [B, H, splits]
     tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
@@ -435,7 +442,7 @@ def _prefill_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M * G_PAD, D_PAD)
     if FP8:
         q = fp8_dot_operand(q)
-        scale = scale * tl.load(kvs_ptr + kvh)
+        scale = scale * tl.load(kvs_ptr + kvh) * E4M3_TILE_SCALE
     if UPCAST:
         q = q.to(tl.float32)
     m = tl.full((BLOCK_M * G_PAD,), float("-inf"), tl.float32)
@@ -458,8 +465,7 @@ def _prefill_kernel(
         v = tl.load(v_ptr + slot[:, None] * s_v_slot + kvh * s_v_h + d[None, :],
                     mask=kv_mask, other=0.0)
         if FP8:
-            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-            v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            k, v = e4m3_tile(k, UPCAST).to(q.dtype), e4m3_tile(v, UPCAST).to(q.dtype)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BLOCK_N)
@@ -473,7 +479,7 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     if FP8:
-        acc = acc * tl.load(kvs_ptr + s_kvs + kvh)
+        acc = acc * (tl.load(kvs_ptr + s_kvs + kvh) * E4M3_TILE_SCALE)
     if SPLIT:  # partials [T, H, splits, D] and (max, sum); key 0 is in split 0, so l > 0
         row = ((q0 + query) * (G * tl.num_programs(1)) + head) * splits + split
         tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc,
