@@ -23,7 +23,6 @@ loop goes on without it. When the loop ends is `DraftLoopStep.resume`'s decision
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,8 +74,7 @@ class HintGate:
 
 @dataclass
 class LoopStep:
-    """A launched step of the loop: its forward queued, its drafts on their way to the host,
-    and its draw queued too unless the step waits for its grammar masks (`pending`)."""
+    """A launched step of the loop: its draw is queued, its drafts on their way to the host."""
 
     step: Step  # its rows: each request `1 + k` times, one per position
     reqs: list[Request]  # in row order
@@ -84,9 +82,6 @@ class LoopStep:
     # drafts, then how many of them lead that were looked up (`DeviceDrafter`)
     drafts: torch.Tensor
     hint_seconds: float | None = None  # with hints: the host's time proposing its drafts
-    # Until `DraftLoop.draw`: the drafts on the device, each row's index in its request's
-    # output (`Sampler.launch`'s positions) and the event after which `drafts` may be read.
-    pending: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
 
 
 class DraftLoop:
@@ -112,13 +107,10 @@ class DraftLoop:
         q = self.k + 1
         return req.num_tokens + (2 * q if in_flight else q) <= self.width
 
-    def launch(self, runner: ModelRunner, reqs: list[Request], hinted: bool = True,
-               masked: bool = False) -> LoopStep:
+    def launch(self, runner: ModelRunner, reqs: list[Request], hinted: bool = True) -> LoopStep:
         """Queue a step of `reqs` (the loop's requests, in order, less those the host saw
         finish) verifying k drafts each; their pages must cover the positions it computes.
-        `hinted`: with the drafter's hints, where it makes them (`HintGate`). `masked`: the
-        draw waits for `draw`, once the host has read the step before (some request has a
-        grammar, whose masks follow the tokens that step accepts)."""
+        `hinted`: with the drafter's hints, where it makes them (`HintGate`)."""
         if reqs != self.reqs:
             staying = set(reqs)
             keep = [i for i, r in enumerate(self.reqs) if r in staying]
@@ -140,38 +132,9 @@ class DraftLoop:
         fed = VerifyFed(ids, positions, slots, lens, tables, [r.lora_slot for r in reqs])
         logits = runner.verify(fed)
         rows = [r for r in reqs for _ in range(q)]
-        launched = LoopStep(Step(Batch(), rows, logits), reqs, host_drafts, hint_seconds)
-        if not masked:
-            self._draw(runner, launched, drafts, outputs, None)
-            return launched
-        ready = None
-        if drafts.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        launched.pending = (drafts, outputs, ready)
-        return launched
-
-    def draw(self, runner: ModelRunner, launched: LoopStep) -> None:
-        """Queue a masked step's draw (`launch(masked=True)`). The host has read the step
-        before it, so each grammar is where the step's first position is; a request's later
-        positions are masked as if its drafts before them were accepted (a draft its grammar
-        refuses is never accepted: the masked draw at its position differs)."""
-        assert launched.pending is not None and runner.grammar is not None
-        drafts, outputs, ready = launched.pending
-        launched.pending = None
-        if ready is not None:
-            ready.synchronize()  # the step's drafts, proposed right after the last accept
-        running = {r: (row[:-1], 0) for r, row in zip(
-            launched.reqs, launched.drafts.tolist(), strict=True)
-            if not r.finished and r.matcher is not None}
-        masks = runner.grammar.start_fill(launched.step.rows, running) if running else None
-        self._draw(runner, launched, drafts, outputs, masks)
-
-    def _draw(self, runner: ModelRunner, launched: LoopStep, drafts: torch.Tensor,
-              outputs: torch.Tensor, masks: Future | None) -> None:
-        """Queue the step's draw and the acceptance of its drafts on the device."""
-        step, s, q = launched.step, len(launched.reqs), self.k + 1
+        step = Step(Batch(), rows, logits)
         # Each position's noise is that of its token's index in the output, as without drafts.
-        runner.sample(step, step.rows, masks, offsets=list(range(q)) * s, positions=outputs)
+        runner.sample(step, rows, offsets=list(range(q)) * s, positions=outputs)
         assert step.drawn is not None
         accept(self.tokens, self.lengths, drafts, step.drawn.tokens.view(s, q))
+        return LoopStep(step, reqs, host_drafts, hint_seconds)

@@ -243,11 +243,11 @@ class Speculator:
     def loops(self, req: Request) -> bool:
         """Whether `req` may decode in the overlapped speculative loop (engine/spec/loop.py),
         whose drafts and accepted tokens stay on the device until the step after: it drafts,
-        and its `min_tokens` bans, which count its outputs, are over. A grammar's masks are
-        filled once the host has read the step before (the loop's draw waits for them); its
-        forced tokens are not drafted there, but drafted tokens are verified under the masks."""
+        and nothing of its sampling depends on its tokens being on the host (a grammar's masks
+        and forced tokens; `min_tokens` bans, which count its outputs)."""
         p = req.params
-        return self.drafts(req) and req.num_output_tokens >= p.min_tokens
+        return (self.drafts(req) and p.constraint is None
+                and req.num_output_tokens >= p.min_tokens)
 
     def _looks_up(self, req: Request) -> bool:
         drafted, accepted = self._record.get(req.request_id, (0, 0))

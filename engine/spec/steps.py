@@ -98,25 +98,18 @@ class DraftLoopStep:
         if self.ahead is None:
             self.loop = None
             return None
-        if self.ahead.pending is not None:  # the host has every token: mask the draw now
-            self.loop.draw(self.p.runner, self.ahead)
         return self.resume()
 
     def resume(self) -> list[RequestOutput]:
         """One step of the loop: queue the next step of the requests in flight still running,
         then read the step in flight's draws and advance its requests while the device
         computes. The loop ends (nothing queued; the regular schedule decides next) when no
-        request is left, a waiting one could start, none still drafts, or one has no room.
-        With grammars, the next step's draw is queued after the reading: its masks follow
-        what this step accepts, and the host fills them while the device runs its forward."""
+        request is left, a waiting one could start, none still drafts, or one has no room."""
         prev, self.ahead = self.ahead, None  # until the next step is queued
         assert prev is not None
         reqs = [r for r in prev.reqs if not r.finished]
         nxt = self._launch(reqs, in_flight=True) if self._goes_on(reqs) else None
         outputs = self._collect(prev)
-        if nxt is not None and nxt.pending is not None:
-            assert self.loop is not None
-            self.loop.draw(self.p.runner, nxt)
         self.ahead = nxt
         if nxt is None:
             self.loop = None
@@ -156,8 +149,7 @@ class DraftLoopStep:
                 return None
             if not self.p.scheduler.reserve(req, need):
                 return None
-        masked = any(r.matcher is not None for r in reqs)
-        return loop.launch(self.p.runner, reqs, self.hints.on, masked)
+        return loop.launch(self.p.runner, reqs, self.hints.on)
 
     def _collect(self, step: LoopStep) -> list[RequestOutput]:
         """Read the step's draws and drafts; advance each request still running by its
@@ -183,7 +175,7 @@ class DraftLoopStep:
             appended = 1 + sum(1 for _ in itertools.takewhile(
                 lambda pair: pair[0] == pair[1].token_id, zip(seq.draft, row[:-1], strict=True)))
             before = req.num_tokens
-            outputs.append(advance_drafted(self.p, seq, row, looked, forced_ends_run=False))
+            outputs.append(advance_drafted(self.p, seq, row, looked))
             if not req.finished and req.num_tokens - before != appended:
                 # The device appended what was accepted: the host must have too.
                 outputs.append(out.fail(req, "internal error: the speculative loop's tokens "
@@ -192,12 +184,11 @@ class DraftLoopStep:
 
 
 def advance_drafted(p: StepParts, seq: ScheduledSeq, results: list[SampleResult],
-                    looked: int | None = None, forced_ends_run: bool = True) -> RequestOutput:
+                    looked: int | None = None) -> RequestOutput:
     """Append a drafted decode's drawn tokens up to the first that differs from its draft (or
     a row that could not be sampled), each through the stop checks. `results`: the draws from
     its last forced draft on (`ScheduledSeq.num_drawn`); `looked`: as for
-    `Speculator.accepted`. `forced_ends_run`: a token after which the grammar forces more
-    ends the run (the synchronous step's; the overlapped loop appends what the device did)."""
+    `Speculator.accepted`."""
     req, out = seq.request, p.out
     results = [SampleResult(t) for t in seq.draft[: seq.num_forced]] + results
     good = list(itertools.takewhile(lambda r: r.error is None, results))
@@ -221,7 +212,7 @@ def advance_drafted(p: StepParts, seq: ScheduledSeq, results: list[SampleResult]
             # Past the forced drafts (the grammar forces those in a row), a token after which
             # the grammar forces more ends the run, as jump-forward would: the next draft
             # starts with the forced tokens, tokenized canonically.
-            if forced_ends_run and seq.num_forced - 1 <= i < accepted and _forces_next(p, req):
+            if seq.num_forced - 1 <= i < accepted and _forces_next(p, req):
                 break
     except Exception as e:
         log.exception("request %s failed after sampling", req.request_id)
