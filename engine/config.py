@@ -147,6 +147,18 @@ def default_cache_dir() -> Path:
     return Path(base) / "switchboard"
 
 
+def publish_dir(tmp: Path, out: Path, done: str) -> None:
+    """Move the finished folder `tmp` to `out` in one rename, so a half-written folder is never
+    picked up. Processes that build the same cache entry at once (servers and test workers
+    starting together) all succeed: whoever renames first publishes, and the others keep that
+    folder (it holds the file `done`) and drop theirs."""
+    try:
+        tmp.rename(out)
+    except OSError:  # ENOTEMPTY or EEXIST, as the platform reports an existing folder
+        if not (out / done).is_file():
+            raise
+
+
 def setting(default: Any = PydanticUndefined, *, help: str, metavar: str | None = None,
             **field_args: Any) -> Any:
     """A config field: its default, bounds (`ge`, `gt`, `le`: pydantic `Field` arguments, as

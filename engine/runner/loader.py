@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.config import ModelConfig, ModelLoadError
+from engine.config import ModelConfig, ModelLoadError, publish_dir
 from engine.parallel.partition import COLUMN, Partition, cut, projection
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.synthetic import MARKER, is_synthetic, synthetic_dir, synthetic_model
@@ -94,7 +94,7 @@ def convert_gguf(gguf: Path, cache_dir: Path, name: str) -> Path:
         config["architectures"] = [type(hf).__name__]
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tok.save_pretrained(tmp)
-        tmp.rename(out)  # atomic: a half-written folder is never picked up
+        publish_dir(tmp, out, "config.json")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

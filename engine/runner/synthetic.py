@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.config import ModelConfig, ModelLoadError
+from engine.config import ModelConfig, ModelLoadError, publish_dir
 from engine.parallel.partition import Partition, cut_fused
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.sampling.counter_rng import hash32
@@ -118,9 +118,7 @@ def synthetic_dir(model: str, cache_dir: Path, seed: int = 0) -> Path:
             else:
                 (tmp / f.name).write_bytes(f.read_bytes())
         (tmp / MARKER).write_text(json.dumps({"preset": preset, "seed": seed}))
-        tmp.rename(out)  # atomic: a half-written folder is never picked up
-    except FileExistsError:  # another process wrote it first
-        pass
+        publish_dir(tmp, out, MARKER)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
