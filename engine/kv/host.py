@@ -8,7 +8,9 @@ waits for each layer's copy just before that layer (`fenced`), not for the whole
 that are not (a fragmented load) go through a staging buffer and a scatter kernel.
 
 Streams on CUDA (the pool is pinned; no copy makes the host wait). Every host<->device transfer
-runs on one copy stream, in the order queued. Two staging buffers each way let one chunk's
+runs on one copy stream, in the order queued, each run of pages as one strided copy over the
+layers it spans (`kernels.copy2d.copy_rows`: all layers' K and V for an offload, a layer's K
+and V for a load), not a copy per layer. Two staging buffers each way let one chunk's
 transfer overlap the neighbouring chunk's gather or scatter kernel.
 - `offload` gathers each chunk of pages (all layers, one kernel) on the compute stream (behind
   the forwards queued before it, ahead of any queued after it that reuses its device pages);
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.tiers import CopyStats
+from kernels.copy2d import copy_rows
 from kernels.upload import upload
 
 CHUNK_PAGES = 64  # pages per offload staging buffer (loads: 8x, one layer at a time)
@@ -71,8 +74,11 @@ class HostKVPool:
         self.page_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
         self._due: list[LoadHandle] = []  # loads the next forward must wait for, per layer
         self._overlapped = False  # an overlapped load no eager forward has waited for yet
-        # (to_host, bytes, start, end) events of CUDA copies not yet added to the totals
-        self._timing: list[tuple[bool, int, torch.cuda.Event, torch.cuda.Event]] = []
+        # (to_host, bytes, start, end, the end of the copy queued before) of CUDA copies not
+        # yet added to the totals
+        self._timing: list[tuple[bool, int, torch.cuda.Event, torch.cuda.Event,
+                                 torch.cuda.Event | None]] = []
+        self._last_end: torch.cuda.Event | None = None
         self._bytes = {True: 0, False: 0}  # to_host -> bytes copied
         self._seconds = {True: 0.0, False: 0.0}
         if self.cuda:
@@ -101,23 +107,19 @@ class HostKVPool:
                                       self.kv.index_select(2, torch.tensor(device_pages)))
             return
         compute = torch.cuda.current_stream(self.device)
-        start = _record(compute, timing=True)
         (idx,) = upload([device_pages], torch.long, self.device)
+        start = _record(compute, timing=True)
         for i, (at, dev, host) in enumerate(_chunks(device_pages, host_pages, self.chunk)):
             buf = self._out[i % 2]
             compute.wait_event(buf.free)
             staging = buf.data[:, :, : len(dev)]  # (L, 2, n, page_size, H, D)
             staging.copy_(self.kv.index_select(2, idx[at : at + len(dev)]))
             self.copy_stream.wait_event(_record(compute))
-            with torch.cuda.stream(self.copy_stream):
-                for h, s, m in _runs(host):
-                    for layer in range(self.pool.shape[0]):
-                        for kv in (0, 1):
-                            self.pool[layer, kv, h : h + m].copy_(staging[layer, kv, s : s + m],
-                                                                  non_blocking=True)
-                buf.free.record(self.copy_stream)
-        self._timing.append((True, len(device_pages) * self.page_bytes, start,
-                             _record(self.copy_stream, timing=True)))
+            for h, s, m in _runs(host):  # every layer's K and V: one strided copy
+                copy_rows(self.pool[:, :, h : h + m].flatten(0, 1),
+                          staging[:, :, s : s + m].flatten(0, 1), self.copy_stream)
+            buf.free.record(self.copy_stream)
+        self._time(True, len(device_pages), start, _record(self.copy_stream, timing=True))
 
     @torch.inference_mode()
     def load(self, host_pages: list[int], device_pages: list[int],
@@ -138,14 +140,12 @@ class HostKVPool:
             events = self._load_scattered(host_pages, device_pages, compute)
         else:
             events = []
-            with torch.cuda.stream(self.copy_stream):
-                for layer in range(self.pool.shape[0]):
-                    for h, d, m in runs:
-                        for kv in (0, 1):
-                            self.kv[layer, kv, d : d + m].copy_(self.pool[layer, kv, h : h + m],
-                                                                non_blocking=True)
-                    events.append(_record(self.copy_stream, timing=layer == len(self.kv) - 1))
-        self._timing.append((False, len(device_pages) * self.page_bytes, start, events[-1]))
+            for layer in range(self.pool.shape[0]):
+                for h, d, m in runs:  # K and V: one strided copy
+                    copy_rows(self.kv[layer, :, d : d + m], self.pool[layer, :, h : h + m],
+                              self.copy_stream)
+                events.append(_record(self.copy_stream, timing=layer == len(self.kv) - 1))
+        self._time(False, len(device_pages), start, events[-1])
         if overlap:
             for ready, event in zip(self.layer_ready, events, strict=True):
                 self.scatter_stream.wait_event(event)
@@ -165,11 +165,9 @@ class HostKVPool:
                 i += 1
                 staging = buf.data[:, : len(dev)]  # (2, n, page_size, H, D)
                 self.copy_stream.wait_event(buf.free)
-                with torch.cuda.stream(self.copy_stream):
-                    for h, s, m in _runs(host):
-                        for kv in (0, 1):  # contiguous on both sides, or torch copies on the CPU
-                            staging[kv, s : s + m].copy_(self.pool[layer, kv, h : h + m],
-                                                         non_blocking=True)
+                for h, s, m in _runs(host):  # K and V: one strided copy
+                    copy_rows(staging[:, s : s + m], self.pool[layer, :, h : h + m],
+                              self.copy_stream)
                 self.scatter_stream.wait_event(_record(self.copy_stream))
                 with torch.cuda.stream(self.scatter_stream):
                     self.kv[layer].index_copy_(1, idx[at : at + len(dev)], staging)
@@ -238,16 +236,25 @@ class HostKVPool:
         each layer, always (replayed, a wait on an event recorded long ago costs nothing)."""
         return _FencedLayers(kv_caches, [self.layer_ready]) if self.cuda else kv_caches
 
+    def _time(self, to_host: bool, num_pages: int, start: torch.cuda.Event,
+              end: torch.cuda.Event) -> None:
+        self._timing.append((to_host, num_pages * self.page_bytes, start, end, self._last_end))
+        self._last_end = _record(self.copy_stream, timing=True)  # its transfers' end
+
     def copy_stats(self) -> CopyStats:
         """Bytes copied each way and the seconds the copies took (on CUDA: from the copy's
-        first queued work starting to its last finishing, for the copies done by now)."""
+        first queued work starting, or the copy before it on the copy stream finishing if
+        that is later, to its last finishing; for the copies done by now)."""
         pending = []
-        for to_host, nbytes, start, end in self._timing:
+        for to_host, nbytes, start, end, before in self._timing:
             if end.query():
+                busy = start.elapsed_time(end)  # ms; less the time spent queued behind `before`
+                if before is not None:
+                    busy -= max(0.0, start.elapsed_time(before))
                 self._bytes[to_host] += nbytes
-                self._seconds[to_host] += start.elapsed_time(end) / 1000
+                self._seconds[to_host] += busy / 1000
             else:
-                pending.append((to_host, nbytes, start, end))
+                pending.append((to_host, nbytes, start, end, before))
         self._timing = pending
         return CopyStats(self._bytes[True], self._seconds[True], self._bytes[False],
                          self._seconds[False])
