@@ -170,6 +170,11 @@ def derive(s: Section, setup) -> None:
         s.result["roofline_fraction_b64"] = d["base_b64"]["roofline_fraction"]
     if "lora_64_b64" in d:
         s.result["lora64_roofline_fraction_b64"] = d["lora_64_b64"]["roofline_fraction"]
+    if "base_b1" in d:
+        s.result["roofline_fraction_b1"] = d["base_b1"]["roofline_fraction"]
+        if "lora_1_b1" in d:  # one adapter at batch 1: step time, base ÷ LoRA
+            s.result["lora_b1_vs_base_b1"] = round(
+                d["base_b1"]["step_ms"] / d["lora_1_b1"]["step_ms"], 3)
 
 
 def qwen3_roofline(model: str, s: Section, prompts, steps: int, bw: float) -> None:
