@@ -53,7 +53,9 @@ def test_speculation_follows_the_fp8_model(fp8_smollm2: LLM, smollm2_dir: Path) 
     the verify and decode forwards flips an E4M3 rounding, which grows over the layers (1.2 in
     SmolLM2's logits between a prompt's last token prefilled and decoded; fp32: 3e-5). So
     each drafted token must be the model's own greedy choice where the model is not near a
-    tie, as plain decoding's are."""
+    tie, as plain decoding's are. Then the same request again: suffix decoding drafts it from
+    the first one's output, so drafts are taken whatever this CPU's rounding made the model
+    write (a list it repeats on one machine, prose on another)."""
     text = "Repeat this list exactly three times: apples, pears, plums, figs, dates, limes."
     prompt = _chat(fp8_smollm2, text)
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
@@ -66,7 +68,11 @@ def test_speculation_follows_the_fp8_model(fp8_smollm2: LLM, smollm2_dir: Path) 
         agree = sum(t == forced[n - 1 + i] for i, t in enumerate(out.token_ids))
         assert agree >= 0.85 * len(out.token_ids), (agree, len(out.token_ids))  # 45 of 48
     assert spec.engine.speculator is not None
-    assert spec.engine.speculator.stats.accepted >= 16  # the list repeats: drafts are taken
+    stats = spec.engine.speculator.stats
+    accepted, drafted = stats.accepted, stats.drafted
+    spec.generate([prompt], greedy)
+    # 24 of 38 on this machine: the two runs' FP8 activations part after ~10 tokens
+    assert stats.drafted - drafted >= 16 and stats.accepted - accepted >= 8, stats
 
 
 def test_json_schema_output_validates(fp8_smollm2: LLM) -> None:
