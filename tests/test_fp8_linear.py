@@ -388,3 +388,20 @@ def test_scaled_mm_matches_the_reference_on_the_gpu(rows: int) -> None:
     assert got.dtype == torch.bfloat16
     # bf16's rounding, and the tensor cores' shorter FP8 accumulator (see above).
     torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-3 * float(ref.abs().max()))
+
+
+def test_weight_values_follow_the_weight() -> None:
+    """Off FP8 tensor cores, `Fp8Linear` converts its weight to fp32 once and keeps it; a new
+    weight, assigned or written in place, is converted again."""
+    gen = torch.Generator().manual_seed(5)
+    layer = Fp8Linear.quantize(torch.nn.Linear(32, 16, bias=False))
+    x = torch.randn(3, 32, generator=gen)
+    assert torch.equal(layer(x), fp8_linear(x, layer.weight, layer.weight_scale))
+    assert layer.weight_values() is layer.weight_values()
+    q, s = quantize_weight(torch.randn(16, 32, generator=gen))
+    layer.weight.data, layer.weight_scale.data = q, s
+    assert torch.equal(layer(x), fp8_linear(x, q, s))
+    q2, _ = quantize_weight(torch.randn(16, 32, generator=gen))
+    with torch.no_grad():
+        layer.weight.copy_(q2)
+    assert torch.equal(layer(x), fp8_linear(x, q2, s))
