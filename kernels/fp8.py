@@ -78,7 +78,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     qx, sx = quantize_rows(rows)
     if rows.shape[0] <= SMALL_M and scaled_mm_supported(x.device):
         y = fp8_gemm_triton(qx, sx, weight, weight_scale, x.dtype,
-                            *decode_config(weight.shape[0]))
+                            *decode_config(rows.shape[0], *weight.shape))
     elif scaled_mm_supported(x.device):
         # Row-wise scaling takes bf16 output; qw^T is column-major, as cuBLASLt wants it.
         y = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale[None, :],
@@ -180,17 +180,29 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, s_x, s_q, BLOCK: tl.conste
 
 # Decode-sized products: cuBLASLt's FP8 kernel for 64 rows tiles 128 x 128 (32 programs over
 # N = 4096 on 132 SMs). This kernel tiles N narrowly (BLOCK_N columns a program), all rows in
-# one tile. H200, 64 rows, Llama-3-8B's four projections: 114 us a layer against cuBLASLt's
-# 128 (bf16: 159); 0.22-0.61 of the copy bandwidth, the narrow projections lowest.
+# one tile. H200, Llama-3-8B's four projections, each timed in a CUDA graph over 8 distinct
+# weights: 85 us a layer at 64 rows and 77 at 1-16 (cuBLASLt 110 at 64 rows, bf16 132-140);
+# 0.36-0.82 of the copy bandwidth, the narrow projections lowest (benchmarks/fp8_gemm_tune.py).
 SMALL_M = 64  # rows up to which `fp8_linear` takes `fp8_gemm_triton` on CUDA
 
 
-def decode_config(n: int) -> tuple[int, int, int, int, int]:
-    """(block_n, block_k, split_k, num_stages, num_warps) for a decode-sized product with `n`
-    output columns. From `benchmarks/fp8_gemm_tune.py` on an H200 (64 rows, Llama-3-8B's
-    projections): 32-column tiles, 64 for the widest; splitting K (summed with atomics into
-    a zeroed fp32 buffer, then cast) was 1.0-3x slower everywhere."""
-    return (64, 256, 1, 4, 4) if n >= 16384 else (32, 256, 1, 5, 4)
+def decode_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(block_n, block_k, split_k, num_stages, num_warps) for a decode-sized product of `m`
+    rows, `n` output columns and depth `k`. From `benchmarks/fp8_gemm_tune.py` on an H200
+    (rows 1, 16 and 64; Llama-3-8B's projections; 168 configurations at 64 rows, 42 at 1-16):
+
+    - deep and narrow (`down`, K = 3.5 N): K split 4 ways, summed with atomics (20.6-23.8 us
+      against 26.6-28.6 unsplit); splitting was slower for every other shape;
+    - the widest (`gate_up`, N = 28,672): 128-column tiles (33.7-36.3 us against 40.2-41.1
+      with 32 or 64);
+    - the rest: 64 columns where N > 4,096 (`qkv`), else 32 (`o`); 512-deep K steps up to 16
+      rows (9.9-11.2 us against 10.7-12.6 with 256), 256 with 5 stages at 64 rows."""
+    if k >= 2 * n:
+        return (64, 256, 4, 4, 4)
+    if n >= 16384:
+        return (128, 128 if m > 16 else 256, 1, 4, 4)
+    block_n = 64 if n > 4096 else 32
+    return (block_n, 256, 1, 5, 4) if m > 16 else (block_n, 512, 1, 4, 4)
 
 
 def fp8_gemm_triton(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
