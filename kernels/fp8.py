@@ -21,6 +21,7 @@ LoRA adapters stay in the model dtype and see the layer's unquantized input
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,6 +31,15 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _MIN_AMAX = 1e-12  # an all-zero row gets this scale's floor instead of dividing by zero
+
+
+class Fp8Rows(NamedTuple):
+    """An activation's rows as `quantize_rows` makes them, from the kernel that produced the
+    activation (`kernels.fused.add_rms_norm_fp8`, `silu_mul_fp8`), so the FP8 product that
+    reads them needs no quantization launch of its own."""
+
+    q: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, 1] fp32
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +79,14 @@ def scaled_mm_supported(device: torch.device) -> bool:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None,
-               weight_values: torch.Tensor | None = None) -> torch.Tensor:
+               weight_values: torch.Tensor | None = None,
+               x_rows: Fp8Rows | None = None) -> torch.Tensor:
     """`F.linear(x, dequantized weight, bias)` with x quantized per token: x [..., K]; weight
     [N, K] FP8 with `weight_scale` [N] -> [..., N] in x's dtype. `weight_values`: the FP8
     weight's values in fp32, if the caller keeps them (`fp8_matmul_reference`'s operand
-    where there are no FP8 tensor cores)."""
+    where there are no FP8 tensor cores). `x_rows`: x already quantized (`Fp8Rows`)."""
     rows = x.reshape(-1, x.shape[-1])
-    qx, sx = quantize_rows(rows)
+    qx, sx = quantize_rows(rows) if x_rows is None else x_rows
     if rows.shape[0] <= SMALL_M and scaled_mm_supported(x.device):
         y = fp8_gemm_triton(qx, sx, weight, weight_scale, x.dtype,
                             *decode_config(rows.shape[0], *weight.shape))
@@ -135,9 +146,10 @@ class Fp8Linear(nn.Module):
             self._values, self._values_of = self.weight.float(), key
         return self._values
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_rows: Fp8Rows | None = None) -> torch.Tensor:
+        """`x_rows`: x already quantized, by the kernel that made x."""
         values = None if scaled_mm_supported(x.device) else self.weight_values()
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias, values)
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, values, x_rows)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8"
@@ -170,12 +182,28 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, s_x, s_q, BLOCK: tl.conste
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         k = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32) / scale
-        v = tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        # Stored as bytes: the CPU interpreter (TRITON_INTERPRET=1, the tests) takes no FP8
-        # tensors. Round-to-nearest-even, as torch rounds (the interpreter drops the carry of
-        # a value rounded up to the next power of two: tests/test_fp8_linear.py).
-        tl.store(q_ptr + row * s_q + k, v.to(tl.uint8, bitcast=True), mask=k < K)
+        v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * s_q + k, e4m3_bytes(v, scale), mask=k < K)
+
+
+@triton.jit
+def quantize_row_into(v, ok, q_row_ptr, scale_ptr, cols):
+    """One whole row `v` (fp32 values of the activation's dtype; `ok` masks the padding) into
+    its E4M3 bytes at `q_row_ptr + cols` and its scale at `scale_ptr`: `quantize_rows`'s
+    semantics, for kernels that make the row (kernels/fused.py)."""
+    scale = tl.maximum(tl.max(tl.where(ok, tl.abs(v), 0.0), axis=0), 1e-12) / 448.0
+    tl.store(scale_ptr, scale)
+    tl.store(q_row_ptr + cols, e4m3_bytes(v, scale), mask=ok)
+
+
+@triton.jit
+def e4m3_bytes(v, scale):
+    """fp32 v / scale, clamped to +-448 and rounded to E4M3 (to nearest, ties to even, as
+    torch rounds), as bytes: the CPU interpreter (TRITON_INTERPRET=1, the tests) takes no FP8
+    tensors. (The interpreter drops the carry of a value rounded up to the next power of
+    two: tests/test_fp8_linear.py.)"""
+    v = tl.clamp(v / scale, -448.0, 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return v.to(tl.uint8, bitcast=True)
 
 
 # Decode-sized products: cuBLASLt's FP8 kernel for 64 rows tiles 128 x 128 (32 programs over

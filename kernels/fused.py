@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8, Fp8Rows, quantize_row_into, quantize_rows_torch
 from kernels.fp8_kv import fp8_e4m3_bytes, is_fp8, kernel_operands, quantize_kv
 
 
@@ -31,6 +32,17 @@ def add_rms_norm(
     writes both in place of its inputs (normed into x, the sum into residual)."""
     fn = add_rms_norm_triton if x.is_cuda else add_rms_norm_torch
     return fn(x, residual, weight, eps)
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, Fp8Rows]:
+    """`add_rms_norm`, and its normed rows quantized as `kernels.fp8.quantize_rows` does (the
+    input of an FP8 projection), in the same kernel on CUDA."""
+    if x.is_cuda:
+        return add_rms_norm_fp8_triton(x, residual, weight, eps)
+    normed, summed = add_rms_norm_torch(x, residual, weight, eps)
+    return normed, summed, Fp8Rows(*quantize_rows_torch(normed))
 
 
 def qk_norm(
@@ -69,6 +81,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2 * I] (columns [gate | up]) -> silu(gate) * up, [T, I]."""
     fn = silu_mul_triton if gate_up.is_cuda else silu_mul_torch
     return fn(gate_up)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, Fp8Rows]:
+    """`silu_mul`, and its rows quantized as `kernels.fp8.quantize_rows` does, in the same
+    kernel on CUDA."""
+    if gate_up.is_cuda:
+        return silu_mul_fp8_triton(gate_up)
+    out = silu_mul_torch(gate_up)
+    return out, Fp8Rows(*quantize_rows_torch(out))
 
 
 # --- torch references / CPU path -----------------------------------------------------------
@@ -158,13 +179,35 @@ def add_rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `add_rms_norm_torch`, in place: x gets the normed rows, residual the
     sums (both [T, N], rows contiguous)."""
-    n = x.shape[-1]
-    block = triton.next_power_of_2(n)
-    _add_rms_norm_kernel[(x.shape[0],)](
-        x, residual, weight, x.stride(0), residual.stride(0), n, eps,
-        BLOCK=block, num_warps=min(16, max(1, block // 256)),
-    )
+    _add_rms_norm(x, residual, weight, eps, None)
     return x, residual
+
+
+def add_rms_norm_fp8_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, Fp8Rows]:
+    """Same contract as `add_rms_norm_fp8`, x and residual written as `add_rms_norm_triton`
+    writes them."""
+    q, scale = _fp8_rows_out(x)
+    _add_rms_norm(x, residual, weight, eps, (q, scale))
+    return x, residual, Fp8Rows(q.view(FP8), scale)
+
+
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                  rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    t, n = x.shape
+    block = triton.next_power_of_2(n)
+    q, scale = rows if rows is not None else (x, x)  # unused without QUANT
+    _add_rms_norm_kernel[(t,)](
+        x, residual, weight, q, scale, x.stride(0), residual.stride(0), n, eps,
+        BLOCK=block, QUANT=rows is not None, num_warps=min(16, max(1, block // 256)),
+    )
+
+
+def _fp8_rows_out(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes (uint8: the interpreter takes no FP8 tensors) and scales of x's rows."""
+    return (torch.empty(x.shape, dtype=torch.uint8, device=x.device),
+            torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
 
 
 def qk_norm_triton(
@@ -217,6 +260,19 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def silu_mul_fp8_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, Fp8Rows]:
+    """Same contract as `silu_mul_fp8`: one program per row (the row's scale needs all of
+    it), the row in registers."""
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(tokens, inter)
+    q, scale = _fp8_rows_out(out)
+    block = triton.next_power_of_2(inter)
+    _silu_mul_fp8_kernel[(tokens,)](
+        gate_up, out, q, scale, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
+        num_warps=min(16, max(4, block // 1024)))
+    return out, Fp8Rows(q.view(FP8), scale)
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_out, N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -255,7 +311,8 @@ def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, s_qt, s_qh, s_kt, s_kh, H, N, 
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_x, s_r, N, eps, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, q_ptr, scale_ptr, s_x, s_r, N, eps,
+                         BLOCK: tl.constexpr, QUANT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -263,8 +320,10 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_x, s_r, N, eps, BLOCK: tl.conste
     r = tl.load(r_ptr + row * s_r + cols, mask=ok, other=0.0)
     total = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream's rounding
     tl.store(r_ptr + row * s_r + cols, total, mask=ok)
-    out = _rms_normed(total, w_ptr, cols, ok, N, eps)
-    tl.store(x_ptr + row * s_x + cols, out.to(x_ptr.dtype.element_ty), mask=ok)
+    out = _rms_normed(total, w_ptr, cols, ok, N, eps).to(x_ptr.dtype.element_ty)
+    tl.store(x_ptr + row * s_x + cols, out, mask=ok)
+    if QUANT:  # the normed row as stored, quantized (quantize_rows' rows are contiguous: N)
+        quantize_row_into(out.to(tl.float32), ok, q_ptr + row * N, scale_ptr + row, cols)
 
 
 @triton.jit
@@ -326,3 +385,18 @@ def _silu_mul_kernel(in_ptr, out_ptr, s_in, s_out, INTER, BLOCK: tl.constexpr):
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # torch rounds silu first
     tl.store(out_ptr + t * s_out + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=ok)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(in_ptr, out_ptr, q_ptr, scale_ptr, s_in, s_out, INTER,
+                         BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < INTER
+    gate = tl.load(in_ptr + t * s_in + cols, mask=ok, other=0.0)
+    up = tl.load(in_ptr + t * s_in + INTER + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # torch rounds silu first
+    out = (silu * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + t * s_out + cols, out, mask=ok)
+    quantize_row_into(out.to(tl.float32), ok, q_ptr + t * INTER, scale_ptr + t, cols)

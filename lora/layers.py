@@ -9,11 +9,12 @@ every wrapper then costs one attribute check.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
 
-from kernels.fp8 import Fp8Linear
+from kernels.fp8 import Fp8Linear, Fp8Rows
 from lora.batch import LoraBatchInfo
 from lora.slots import LoraSlots
 
@@ -47,13 +48,15 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base, self.ctx, self.layer, self.fused = base, ctx, layer, fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_rows: Fp8Rows | None = None) -> torch.Tensor:
+        """`x_rows`: x quantized for an FP8 base (`Fp8Linear.forward`'s)."""
+        base = self.base if x_rows is None else partial(self.base, x_rows=x_rows)
         info, slots = self.ctx.info, self.ctx.slots
         if info is None or not info.has_lora:
-            return self.base(x)
+            return base(x)
         side = self.ctx.side_stream
         if side is None or not torch.cuda.is_current_stream_capturing():
-            y = self.base(x)  # (num_tokens, out_features)
+            y = base(x)  # (num_tokens, out_features)
             slots.apply(y, x, self.layer, self.fused, info)
             return y
         # Captured: the shrink branches off to the side stream, the expand joins after both.
@@ -61,7 +64,7 @@ class LoraLinear(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             t = slots.shrink(x, self.layer, self.fused, info)
-        y = self.base(x)
+        y = base(x)
         main.wait_stream(side)
         slots.expand(y, t, self.layer, self.fused, info)
         return y

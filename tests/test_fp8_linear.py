@@ -80,6 +80,36 @@ def test_triton_gemm_matches_the_reference(m: int, k: int, n: int, split_k: int)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-3 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("tokens, width", [(1, 96), (5, 300), (4, 1100)])
+def test_fused_kernels_quantize_their_rows_as_quantize_rows(tokens: int, width: int) -> None:
+    """`add_rms_norm` and `silu_mul` with the rows of their output quantized in the same
+    kernel (the input of an FP8 projection): the same output as without, and the same bytes
+    and scales as `quantize_rows_triton` of it (Triton on either device; the interpreter on
+    CPU)."""
+    from kernels import fused
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tokens * width)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dev, torch.bfloat16)
+
+    x, r, w = randn(tokens, width, scale=3.0), randn(tokens, width), randn(width) + 1
+    want_normed, want_sum = fused.add_rms_norm_triton(x.clone(), r.clone(), w, 1e-5)
+    normed, summed, rows = fused.add_rms_norm_fp8_triton(x.clone(), r.clone(), w, 1e-5)
+    assert torch.equal(normed, want_normed) and torch.equal(summed, want_sum)
+    want_q, want_scale = quantize_rows_triton(normed)
+    assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(rows.scale, want_scale)
+
+    gate_up = randn(tokens, 2 * width, scale=4.0)
+    out, rows = fused.silu_mul_fp8_triton(gate_up)
+    assert torch.equal(out, fused.silu_mul_triton(gate_up))
+    want_q, want_scale = quantize_rows_triton(out)
+    assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(rows.scale, want_scale)
+
+
 def test_all_zero_rows_quantize_to_zeros() -> None:
     q, s = quantize_rows_torch(torch.zeros(2, 32))
     assert (q.float() == 0).all() and (s > 0).all()

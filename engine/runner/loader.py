@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.config import ModelConfig, ModelLoadError, publish_dir
 from engine.parallel.partition import COLUMN, Partition, cut, projection
-from engine.runner.models.llama import LlamaForCausalLM
+from engine.runner.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.runner.synthetic import MARKER, is_synthetic, synthetic_dir, synthetic_model
 from kernels.fp8 import FP8, Fp8Linear, quantize_weight
 
@@ -167,14 +167,17 @@ PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate
                ("mlp", "down_proj"))
 
 
-def swap_projections_(model: LlamaForCausalLM, make: Callable[[nn.Linear], nn.Module]) -> None:
-    """Replace every decoder layer's projections by `make(projection)`, one at a time."""
+def swap_projections_(model: LlamaForCausalLM, make: Callable[[nn.Linear], Fp8Linear]) -> None:
+    """Replace every decoder layer's projections by `make(projection)`, one at a time; the
+    layers then quantize the projections' inputs where they make them (`fp8_inputs`)."""
     for layer in model.layers:
         for owner, name in PROJECTIONS:
             parent = layer.get_submodule(owner)
             linear = parent.get_submodule(name)
             assert isinstance(linear, nn.Linear), f"{owner}.{name} is {type(linear).__name__}"
             setattr(parent, name, make(linear))
+        decoder = cast(DecoderLayer, layer)
+        decoder.fp8_inputs = decoder.mlp.fp8_inputs = True
 
 
 def _load_checkpoint(folder: Path, dtype: torch.dtype, device: str | torch.device,

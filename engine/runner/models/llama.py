@@ -24,6 +24,7 @@ from engine.config import ModelConfig, ModelLoadError
 from engine.parallel.partition import Partition
 from kernels import fused
 from kernels.attention import AttentionMetadata, paged_attention
+from kernels.fp8 import Fp8Rows
 from kernels.linear import Linear
 
 if TYPE_CHECKING:
@@ -42,6 +43,11 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); may write into x and residual."""
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def add_quantized(self, x: torch.Tensor, residual: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, Fp8Rows]:
+        """`add`, and the normed rows quantized for an FP8 projection (by the same kernel)."""
+        return fused.add_rms_norm_fp8(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -105,17 +111,21 @@ class Attention(nn.Module):
         # checkpoint's k_scale / v_scale. Set by `LlamaForCausalLM.init_rope`.
         self.register_buffer("kv_scales", torch.empty(2, cfg.num_kv_heads), persistent=False)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q = self.project(x, cos, sin, kv_cache, meta.slot_mapping)
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata,
+                x_rows: Fp8Rows | None = None) -> torch.Tensor:
+        q = self.project(x, cos, sin, kv_cache, meta.slot_mapping, x_rows)
         return self.output(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale,
                                            kv_scales=self.kv_scales))
 
-    def project(self, x, cos, sin, kv_cache, slot_mapping: torch.Tensor) -> torch.Tensor:
+    def project(self, x, cos, sin, kv_cache, slot_mapping: torch.Tensor,
+                x_rows: Fp8Rows | None = None) -> torch.Tensor:
         """x: [T, hidden] -> the rotated queries [T, heads, head_dim]; this step's K/V are
         written to `kv_cache` at `slot_mapping`. (Attention's first half: the piecewise CUDA
-        graphs, engine/runner/piecewise_graphs.py, replay it and run the attention between.)"""
+        graphs, engine/runner/piecewise_graphs.py, replay it and run the attention between.)
+        `x_rows`: x quantized for an FP8 qkv projection, if the norm before did it."""
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x) if x_rows is None else self.qkv_proj(x, x_rows)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
@@ -144,9 +154,15 @@ class MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fp8_inputs = False  # FP8 projections: each input quantized by its producer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, x_rows: Fp8Rows | None = None) -> torch.Tensor:
+        """`x_rows`: x quantized for an FP8 gate_up projection, if the norm before did it."""
+        if not self.fp8_inputs:
+            out = self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+        else:
+            gate_up = self.gate_up_proj(x) if x_rows is None else self.gate_up_proj(x, x_rows)
+            out = self.down_proj(*fused.silu_mul_fp8(gate_up))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -157,18 +173,27 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg, tp)
+        # FP8 projections (set by the loader): each norm also quantizes its output for the
+        # projection after it, in the same kernel (one launch less each).
+        self.fp8_inputs = False
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """x: the previous layer's MLP output (the embeddings for the first layer, whose
         `residual` is None); returns this layer's MLP output and the residual stream before
         it. Each residual add is fused into the RMSNorm after it."""
+        rows = None
         if residual is None:
             residual, x = x, self.input_layernorm(x)
+        elif self.fp8_inputs:
+            x, residual, rows = self.input_layernorm.add_quantized(x, residual)
         else:
             x, residual = self.input_layernorm.add(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm.add(x, residual)
-        return self.mlp(x), residual
+        x = self.self_attn(x, cos, sin, kv_cache, meta, rows)
+        if self.fp8_inputs:
+            x, residual, rows = self.post_attention_layernorm.add_quantized(x, residual)
+        else:
+            x, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(x, rows), residual
 
 
 class LlamaForCausalLM(nn.Module):
