@@ -5,6 +5,10 @@ Each is one Triton kernel on CUDA in place of the several torch kernels of its r
 a decode step these tensors are small, so the separate launches, not the bytes, were the cost
 (measured in `kernel_tune.py`). The torch references are the CPU path and keep HF's rounding
 points; the kernels compute in fp32 and round once, so bf16 results may differ by one ulp.
+
+Before an FP8 projection, the residual add's RMSNorm and SiLU-and-mul also quantize the rows
+they write (`add_rms_norm_fp8`, `silu_mul_fp8`: `kernels.fp8.quantize_rows`' bytes and scales),
+so the product launches no quantization of its own.
 """
 
 from __future__ import annotations
