@@ -48,7 +48,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` computed by `linear`."""
+    """`nn.Linear` computed by `linear`. Its forward takes the projections' common arguments:
+    `x_rows`, x quantized for an FP8 projection (`kernels.fp8.Fp8Linear`), is never given
+    to a layer in the model's dtype."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_rows: object = None) -> torch.Tensor:
+        assert x_rows is None, "quantized rows for a layer that is not FP8"
         return linear(x, self.weight, self.bias)

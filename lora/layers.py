@@ -9,12 +9,12 @@ every wrapper then costs one attribute check.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 from torch import nn
 
 from kernels.fp8 import Fp8Linear, Fp8Rows
+from kernels.linear import Linear
 from lora.batch import LoraBatchInfo
 from lora.slots import LoraSlots
 
@@ -43,20 +43,19 @@ class LoraLinear(nn.Module):
     """`y = base(x) + LoRA(x)`, each token with its own adapter slot. The base may be FP8
     (`kernels.fp8.Fp8Linear`); the adapter then reads the same unquantized x."""
 
-    def __init__(self, base: nn.Linear | Fp8Linear, ctx: LoraContext, layer: int,
+    def __init__(self, base: Linear | Fp8Linear, ctx: LoraContext, layer: int,
                  fused: str) -> None:
         super().__init__()
         self.base, self.ctx, self.layer, self.fused = base, ctx, layer, fused
 
     def forward(self, x: torch.Tensor, x_rows: Fp8Rows | None = None) -> torch.Tensor:
         """`x_rows`: x quantized for an FP8 base (`Fp8Linear.forward`'s)."""
-        base = self.base if x_rows is None else partial(self.base, x_rows=x_rows)
         info, slots = self.ctx.info, self.ctx.slots
         if info is None or not info.has_lora:
-            return base(x)
+            return self.base(x, x_rows)
         side = self.ctx.side_stream
         if side is None or not torch.cuda.is_current_stream_capturing():
-            y = base(x)  # (num_tokens, out_features)
+            y = self.base(x, x_rows)  # (num_tokens, out_features)
             slots.apply(y, x, self.layer, self.fused, info)
             return y
         # Captured: the shrink branches off to the side stream, the expand joins after both.
@@ -64,7 +63,7 @@ class LoraLinear(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             t = slots.shrink(x, self.layer, self.fused, info)
-        y = base(x)
+        y = self.base(x, x_rows)
         main.wait_stream(side)
         slots.expand(y, t, self.layer, self.fused, info)
         return y
@@ -85,6 +84,6 @@ def wrap_model(model: nn.Module, slots: LoraSlots) -> LoraContext:
         for owner, name in TARGETS:
             parent = layer.get_submodule(owner)
             base = parent.get_submodule(name)
-            assert isinstance(base, (nn.Linear, Fp8Linear)), f"layers.{i}.{owner}.{name}: {base}"
+            assert isinstance(base, (Linear, Fp8Linear)), f"layers.{i}.{owner}.{name}: {base}"
             setattr(parent, name, LoraLinear(base, ctx, i, name))
     return ctx

@@ -124,8 +124,8 @@ class Attention(nn.Module):
         graphs, engine/runner/piecewise_graphs.py, replay it and run the attention between.)
         `x_rows`: x quantized for an FP8 qkv projection, if the norm before did it."""
         T = x.shape[0]
-        qkv = self.qkv_proj(x) if x_rows is None else self.qkv_proj(x, x_rows)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, x_rows).split([self.q_size, self.kv_size, self.kv_size],
+                                                  dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
@@ -158,11 +158,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, x_rows: Fp8Rows | None = None) -> torch.Tensor:
         """`x_rows`: x quantized for an FP8 gate_up projection, if the norm before did it."""
-        if not self.fp8_inputs:
-            out = self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
-        else:
-            gate_up = self.gate_up_proj(x) if x_rows is None else self.gate_up_proj(x, x_rows)
-            out = self.down_proj(*fused.silu_mul_fp8(gate_up))
+        gate_up = self.gate_up_proj(x, x_rows)
+        h = fused.silu_mul_fp8(gate_up) if self.fp8_inputs else (fused.silu_mul(gate_up), None)
+        out = self.down_proj(*h)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
