@@ -35,7 +35,8 @@ from kernels.cpu_attention import CHUNK_SCORES, attend_chunk
 from kernels.fp8_kv import (
     E4M3_TILE_SCALE,
     dequantize_kv,
-    e4m3_tile,
+    e4m3_keys,
+    e4m3_values,
     fp8_dot_operand,
     is_fp8,
     kernel_operands,
@@ -45,8 +46,14 @@ from kernels.fp8_kv import (
 # and large batches (x KV heads); prefill: (tile rows = queries x grouped heads, BLOCK_N,
 # num_warps, num_stages, waves). From the
 # H100 sweep in `kernel_tune.py` (8B shapes, 1k contexts): 0.82 of copy bandwidth at batch 64.
-DECODE_CONFIG = (64, 4, 3, 4)
-DECODE_CONFIG_LARGE = (32, 4, 2, 4)  # batch x KV heads >= 256
+# Small batches since (H200, CUDA graphs, 8B shapes): 5 stages, which give the loop its second
+# K/V buffer (Triton pipelines these gathered loads one tile ahead only from 5 stages), and a
+# wave of programs: 0.92-0.94 of the time of (64, 4, 3, 4) at batch 1 x 8k, 16 x 1k, 16 x 8k.
+DECODE_CONFIG = (64, 4, 5, 1)
+# Large batches: with base-2 scores (32, 4, 2, 4) took 1.28x its time at 128 x 1k (169 against
+# 132 us; these configurations' times jump between compilations of nearby ones); this one is
+# within 1% of it at 64 and 128 x 1k.
+DECODE_CONFIG_LARGE = (64, 4, 3, 2)  # batch x KV heads >= 256
 PREFILL_CONFIG = (64, 32, 4, 2, 2)  # + waves of programs a short chunk's splits aim for
 # Chunks whose queries x grouped heads fit 32 tile rows (a speculative step's 1 + k tokens):
 # `kernel_tune.py --sweep verify` (H200, 8B shapes, 5 queries on 1k-4k contexts, batch 1-16):
@@ -56,14 +63,16 @@ VERIFY_CONFIG = (32, 32, 4, 2, 2)
 # with 4 warps for 80 tokens x 32 heads x 4 splits (a batch-16 verify step's), 2.0 against 3.0
 # for 16 decodes x 8 splits, 2.8 against 3.4 for 5 tokens x 64 splits.
 MERGE_WARPS = 1
-# An FP8 cache's, from an H200 sweep (8B shapes, contexts of 1k-8k, batch 1-128). In CUDA
-# graphs decode ran at 1.01-1.07x bf16's speed for batch 16-128 and 0.84-0.90x for batch 1
-# (the E4M3 -> fp16 conversions, not the bytes, bound it); prefill at 1.01x on 2k chunks,
-# 1.2-1.9x on short chunks over long contexts. Converting in PTX (`e4m3_tile`) since: decode
-# 1.09x bf16's at batch 64 x 1k, 1.19x at 16 x 8k, still about half its bytes per second.
-DECODE_CONFIG_FP8 = (128, 4, 3, 4)
-PREFILL_CONFIG_FP8 = (128, 128, 8, 2, 2)
-VERIFY_CONFIG_FP8 = (32, 128, 4, 3, 2)
+# An FP8 cache's, from H200 sweeps (8B shapes, contexts of 1k-8k, batch 1-128, CUDA graphs).
+# FP8 decode is bound by instruction issue (Nsight Compute: 2 of 4 instructions a cycle, 14
+# warps an SM), the E4M3 -> fp16 conversions 40% of them (`kernels.fp8_kv`): 1.16-1.28x bf16's
+# speed at batch 16-128 (54 against 69 us at 64 x 1k), 1.1x at batch 1 x 8k.
+DECODE_CONFIG_FP8 = (64, 4, 2, 2)
+DECODE_CONFIG_FP8_LARGE = (128, 4, 2, 2)  # batch x KV heads >= 1024
+# Prefill against (128, 128, 8, 2, 2) before: 0.84x the time of 16 x 2k-token prompts, 0.87x a
+# 256-token chunk on an 8k context; verify against (32, 128, 4, 3, 2): 0.86x at batch 16.
+PREFILL_CONFIG_FP8 = (128, 64, 4, 3, 2)
+VERIFY_CONFIG_FP8 = (32, 128, 4, 2, 2)
 
 
 def paged_decode(
@@ -211,6 +220,10 @@ def paged_prefill_torch(
 
 # --- Triton ---------------------------------------------------------------------------------
 
+# The kernels keep scores and running maxima in base 2 (the merge too): log2(e) goes into the
+# score scale.
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 def paged_decode_triton(
     q: torch.Tensor,
@@ -229,12 +242,15 @@ def paged_decode_triton(
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     if config is None:
-        config = DECODE_CONFIG_LARGE if batch * kv_heads >= 256 else DECODE_CONFIG
-        config = DECODE_CONFIG_FP8 if is_fp8(k_cache) else config
+        programs = batch * kv_heads
+        if is_fp8(k_cache):
+            config = DECODE_CONFIG_FP8_LARGE if programs >= 1024 else DECODE_CONFIG_FP8
+        else:
+            config = DECODE_CONFIG_LARGE if programs >= 256 else DECODE_CONFIG
     block_n, num_warps, num_stages, waves = config
     splits = num_splits(batch * kv_heads, waves, q.device)
     part_o = q.new_empty(batch, heads, splits, dim, dtype=torch.float32)
-    part_ml = q.new_empty(batch, heads, splits, 2, dtype=torch.float32)  # running max, sum
+    part_ml = q.new_empty(batch, heads, splits, 2, dtype=torch.float32)  # base-2 max, sum
     if batch == 0:
         return
     common = dict(
@@ -357,9 +373,10 @@ def _decode_split_kernel(
     )  # (G_PAD, D_PAD)
     if FP8:
         q = fp8_dot_operand(q)
-        scale = scale * tl.load(kvs_ptr + kvh) * E4M3_TILE_SCALE
+        scale = scale * tl.load(kvs_ptr + kvh)
     if UPCAST:
         q = q.to(tl.float32)
+    scale = scale * LOG2E
     m = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D_PAD), tl.float32)
@@ -375,14 +392,14 @@ def _decode_split_kernel(
         v = tl.load(v_ptr + slot[:, None] * s_v_slot + kvh * s_v_h + d[None, :],
                     mask=kv_mask, other=0.0)
         if FP8:
-            k, v = e4m3_tile(k, UPCAST).to(q.dtype), e4m3_tile(v, UPCAST).to(q.dtype)
+            k, v = e4m3_keys(k, UPCAST).to(q.dtype), e4m3_values(v, UPCAST).to(q.dtype)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BLOCK_N)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
@@ -400,7 +417,7 @@ def _decode_merge_kernel(
     part_o_ptr, part_ml_ptr, out_ptr, s_o_b, s_o_h,
     SPLITS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    # One program: one (sequence, head); log-sum-exp merge of its splits.
+    # One program: one (sequence, head); log-sum-exp merge of its splits (maxima in base 2).
     b, h = tl.program_id(0), tl.program_id(1)
     row = (b * tl.num_programs(1) + h) * SPLITS + tl.arange(0, SPLITS)
     d = tl.arange(0, D_PAD)
@@ -408,7 +425,7 @@ def _decode_merge_kernel(
     l_sum = tl.load(part_ml_ptr + row * 2 + 1)
     o = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0)
     m_max = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # (SPLITS,)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)  # (SPLITS,)
     acc = tl.sum(o * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
     tl.store(out_ptr + b * s_o_b + h * s_o_h + d, acc.to(out_ptr.dtype.element_ty), mask=d < D)
 
@@ -442,9 +459,10 @@ def _prefill_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M * G_PAD, D_PAD)
     if FP8:
         q = fp8_dot_operand(q)
-        scale = scale * tl.load(kvs_ptr + kvh) * E4M3_TILE_SCALE
+        scale = scale * tl.load(kvs_ptr + kvh)
     if UPCAST:
         q = q.to(tl.float32)
+    scale = scale * LOG2E
     m = tl.full((BLOCK_M * G_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_M * G_PAD,), tl.float32)
     acc = tl.zeros((BLOCK_M * G_PAD, D_PAD), tl.float32)
@@ -465,7 +483,7 @@ def _prefill_kernel(
         v = tl.load(v_ptr + slot[:, None] * s_v_slot + kvh * s_v_h + d[None, :],
                     mask=kv_mask, other=0.0)
         if FP8:
-            k, v = e4m3_tile(k, UPCAST).to(q.dtype), e4m3_tile(v, UPCAST).to(q.dtype)
+            k, v = e4m3_keys(k, UPCAST).to(q.dtype), e4m3_values(v, UPCAST).to(q.dtype)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BLOCK_N)
@@ -473,8 +491,8 @@ def _prefill_kernel(
         m_new = tl.maximum(m, tl.max(sc, axis=1))
         # A row may see none of a split's first keys (causal): keep its max finite.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
