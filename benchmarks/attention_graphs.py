@@ -12,11 +12,15 @@ an 8k context, and 16 prompts of 2k tokens.
 
 `--tree DIR` also times another checkout's kernels (e.g. an older commit in a `git worktree`)
 on the same cases, in a child process, and prints each case's time against this tree's.
+`--sweep` times each case under every configuration of its kernel's grid instead (the way the
+configurations in `kernels/paged_attention.py` were chosen) and prints the best three beside
+the default's time.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -25,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 H, KVH, D, PAGE = 32, 8, 128, 16
 LAYERS = 8
@@ -33,6 +38,11 @@ DECODE = [(1, 1024), (16, 1024), (64, 1024), (128, 1024), (32, 2048), (4, 4096),
           (16, 8192)]
 PREFILL = {"verify 16x5 on 2k": (16, 5, 2048), "verify 1x5 on 4k": (1, 5, 4096),
            "chunk 1x256 on 8k": (1, 256, 8192), "prefill 16x2k": (16, 2048, 2048)}
+# `--sweep`: decode (BLOCK_N, warps, stages, waves); prefill (tile rows, BLOCK_N, warps,
+# stages, waves), its verify cases with at most 32 tile rows.
+DECODE_GRID = list(itertools.product([32, 64, 128], [4, 8], [2, 3, 5], [1, 2, 4]))
+VERIFY_GRID = list(itertools.product([16, 32], [32, 64, 128], [4], [2, 3, 5], [2]))
+PREFILL_GRID = list(itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3], [2]))
 
 
 def caches(pages: int, fp8: bool) -> list[tuple]:
@@ -80,7 +90,22 @@ def graph_us(fn) -> float:
     return best
 
 
-def measure() -> dict:
+def timed(fn, grid: list | None) -> dict:
+    """{"us": the default configuration's time} and, with a grid, {"best": the three fastest
+    configurations and their times}."""
+    out: dict = {"us": round(graph_us(lambda i: fn(i, None)), 2)}
+    if grid:
+        times = {}
+        for cfg in grid:
+            try:
+                times[cfg] = graph_us(lambda i, cfg=cfg: fn(i, cfg))
+            except OutOfResources:
+                continue
+        out["best"] = [[list(c), round(times[c], 2)] for c in sorted(times, key=times.get)[:3]]
+    return out
+
+
+def measure(sweep: bool = False) -> dict:
     from kernels import paged_attention as pa
 
     res = {}
@@ -92,12 +117,13 @@ def measure() -> dict:
             cs = caches(pages, fp8)
             q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
             out = torch.empty_like(q)
-            us = graph_us(lambda i, cs=cs, q=q, out=out, tables=tables, lens=lens: (
+            fig = timed(lambda i, cfg, cs=cs, q=q, out=out, tables=tables, lens=lens: (
                 pa.paged_decode_triton(q, cs[i][0], cs[i][1], tables, lens, PAGE, SCALE, out,
-                                       kv_scales=cs[i][2])))
+                                       kv_scales=cs[i][2], config=cfg)),
+                DECODE_GRID if sweep else None)
             nbytes = 2 * batch * ctx * KVH * D * cs[0][0].element_size()
-            res[f"decode {dtype} {batch}x{ctx}"] = {"us": round(us, 2),
-                                                    "TB/s": round(nbytes / us / 1e6, 3)}
+            res[f"decode {dtype} {batch}x{ctx}"] = {**fig,
+                                                    "TB/s": round(nbytes / fig["us"] / 1e6, 3)}
             del cs
         for name, (batch, nq, ctx) in PREFILL.items():
             tables, pages = tables_for(batch, ctx)
@@ -106,11 +132,12 @@ def measure() -> dict:
             cs = caches(pages, fp8)
             q = torch.randn(batch * nq, H, D, device="cuda", dtype=torch.bfloat16)
             out = torch.empty_like(q)
-            us = graph_us(lambda i, cs=cs, q=q, out=out, tables=tables, lens=lens,
-                          starts=starts, nq=nq: pa.paged_prefill_triton(
-                              q, cs[i][0], cs[i][1], tables, starts, lens, nq, PAGE, SCALE,
-                              out, kv_scales=cs[i][2]))
-            res[f"prefill {dtype} {name}"] = {"us": round(us, 2)}
+            grid = (VERIFY_GRID if name.startswith("verify") else PREFILL_GRID) if sweep else None
+            res[f"prefill {dtype} {name}"] = timed(
+                lambda i, cfg, cs=cs, q=q, out=out, tables=tables, lens=lens, starts=starts,
+                nq=nq: pa.paged_prefill_triton(q, cs[i][0], cs[i][1], tables, starts, lens, nq,
+                                               PAGE, SCALE, out, kv_scales=cs[i][2], config=cfg),
+                grid)
             del cs
         torch.cuda.empty_cache()
     return res
@@ -120,13 +147,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", type=Path, action="append", default=[],
                     help="another checkout whose kernels are timed on the same cases")
+    ap.add_argument("--sweep", action="store_true", help="time every configuration of a grid")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     ap.add_argument("--emit", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.emit:
         args.emit.write_text(json.dumps(measure()))
         return
-    runs = {"this tree": measure()}
+    runs = {"this tree": measure(args.sweep)}
     for tree in args.tree:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -139,6 +167,8 @@ def main() -> None:
         line = f"{case:32s} {fig['us']:9.1f} us"
         if "TB/s" in fig:
             line += f" {fig['TB/s']:5.2f} TB/s"
+        if "best" in fig:
+            line += " | best " + ", ".join(f"{cfg} {us:.1f}" for cfg, us in fig["best"])
         for tree, other in runs.items():
             if tree != "this tree":
                 theirs = other[case]["us"]

@@ -7,6 +7,10 @@ adapters, or `--rank`), reporting each as achieved bytes/s over the copy bandwid
 decode step of a 4-layer 8B-shaped model under CUDA graphs, base and multi-LoRA
 (`--unfused`: also with torch's elementwise ops). Families not named in `--sweep` run their
 default configs only (`--only`: not at all).
+
+These sweeps time one launch at a time (`do_bench`), which at decode's sizes includes the
+host's launch; `benchmarks/attention_graphs.py --sweep` times the attention configurations
+inside CUDA graphs, as the decode graphs run them, for bf16 and FP8 caches.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ from kernels.fp8_kv import (
 # and large batches (x KV heads); prefill: (tile rows = queries x grouped heads, BLOCK_N,
 # num_warps, num_stages, waves). From the
 # H100 sweep in `kernel_tune.py` (8B shapes, 1k contexts): 0.82 of copy bandwidth at batch 64.
-# Small batches since (H200, CUDA graphs, 8B shapes): 5 stages, which give the loop its second
+# Small batches since (H200, CUDA graphs, 8B shapes; the method of
+# `benchmarks/attention_graphs.py --sweep`): 5 stages, which give the loop its second
 # K/V buffer (Triton pipelines these gathered loads one tile ahead only from 5 stages), and a
 # wave of programs: 0.92-0.94 of the time of (64, 4, 3, 4) at batch 1 x 8k, 16 x 1k, 16 x 8k.
 DECODE_CONFIG = (64, 4, 5, 1)
@@ -63,7 +64,8 @@ VERIFY_CONFIG = (32, 32, 4, 2, 2)
 # with 4 warps for 80 tokens x 32 heads x 4 splits (a batch-16 verify step's), 2.0 against 3.0
 # for 16 decodes x 8 splits, 2.8 against 3.4 for 5 tokens x 64 splits.
 MERGE_WARPS = 1
-# An FP8 cache's, from H200 sweeps (8B shapes, contexts of 1k-8k, batch 1-128, CUDA graphs).
+# An FP8 cache's, from H200 sweeps (8B shapes, contexts of 1k-8k, batch 1-128, CUDA graphs as
+# in `benchmarks/attention_graphs.py --sweep`).
 # FP8 decode is bound by instruction issue (Nsight Compute: 2 of 4 instructions a cycle, 14
 # warps an SM), the E4M3 -> fp16 conversions 40% of them (`kernels.fp8_kv`): 1.16-1.28x bf16's
 # speed at batch 16-128 (54 against 69 us at 64 x 1k), 1.1x at batch 1 x 8k.
