@@ -17,11 +17,20 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from kernels import fused  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
 from kernels.attention import AttentionMetadata, paged_attention  # noqa: E402
 from kernels.cpu_attention import DecodePlan  # noqa: E402
-from kernels.fp8_kv import FP8_KV, quantize_kv  # noqa: E402
+from kernels.fp8_kv import (  # noqa: E402
+    E4M3_TILE_SCALE,
+    FP8_KV,
+    e4m3_keys,
+    e4m3_values,
+    quantize_kv,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -161,6 +170,29 @@ def test_rope_cache_fp8_torch_and_triton_store_the_same_bytes(dtype):
 
 
 # -- paged attention over an FP8 cache -------------------------------------------------------
+
+
+@triton.jit
+def _convert(x_ptr, keys_ptr, values_ptr, N: tl.constexpr, INTERPRETED: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(keys_ptr + i, e4m3_keys(x, INTERPRETED).to(tl.float32))
+    tl.store(values_ptr + i, e4m3_values(x, INTERPRETED).to(tl.float32))
+
+
+def test_e4m3_tile_conversions_are_exact():
+    """Every finite E4M3 byte: K's conversion gives its value, V's its value times 2^-8 (the
+    attention kernels fold the 2^8 into V's scale). On the GPU these are `cvt` and the PTX
+    bit moves; on the interpreter the reference path."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F] + [0, 0], dtype=torch.uint8)
+    x = codes.to(DEVICE)
+    keys = torch.empty(256, dtype=torch.float32, device=DEVICE)
+    values = torch.empty_like(keys)
+    _convert[(1,)](x, keys, values, N=256, INTERPRETED=INTERPRET)
+    want = codes.view(FP8_KV).float()
+    assert torch.equal(keys.cpu(), want)
+    assert torch.equal(values.cpu() * E4M3_TILE_SCALE.value, want)
+    assert want.abs().max() == 448 and (want == 2.0**-9).any()  # the largest, a subnormal
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
