@@ -13,7 +13,7 @@ an 8k context, and 16 prompts of 2k tokens.
 `--tree DIR` also times another checkout's kernels (e.g. an older commit in a `git worktree`)
 on the same cases, in a child process, and prints each case's time against this tree's.
 `--sweep` times each case under every configuration of its kernel's grid instead (the way the
-configurations in `kernels/paged_attention.py` were chosen) and prints the best three beside
+configurations in `kernels/attention_configs.py` were chosen) and prints the best three beside
 the default's time.
 """
 

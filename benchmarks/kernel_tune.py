@@ -27,6 +27,7 @@ from lora_pools import side_by_side
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
+from kernels import attention_configs as ac
 from kernels import bgmv, fused, seg_lora
 from kernels import paged_attention as pa
 
@@ -70,7 +71,7 @@ def sweep_decode(copy_bw: float, quick: bool) -> dict:
     results = {}
     configs = list(itertools.product([32, 64], [2, 4, 8], [2, 3, 4], [4]))
     if quick:
-        configs = [pa.DECODE_CONFIG, pa.DECODE_CONFIG_LARGE]
+        configs = [ac.DECODE_CONFIG, ac.DECODE_CONFIG_LARGE]
     for batch in (1, 16, 64, 128):
         k, v, tables, lens = paged_inputs([1024] * batch)
         q = torch.randn(batch, H, D, device="cuda", dtype=BF16)
@@ -101,7 +102,7 @@ def sweep_prefill(quick: bool) -> dict:
     results = {}
     configs = list(itertools.product([32, 64, 128], [32, 64], [4, 8], [2, 3], [1, 2, 4]))
     if quick:
-        configs = [pa.PREFILL_CONFIG]
+        configs = [ac.PREFILL_CONFIG]
     cases = {"2048 new": ([2048], [2048]), "8x512 new on 512 cached": ([1024] * 8, [512] * 8),
              "65 new on 4096 cached": ([4161], [65])}
     for name, (ctx_lens, q_lens) in cases.items():
@@ -132,7 +133,7 @@ def sweep_verify(copy_bw: float, quick: bool) -> dict:
     results = {}
     configs = list(itertools.product([32], [32, 64, 128], [4, 8], [2, 3, 4], [2, 4, 8]))
     if quick:
-        configs = [pa.VERIFY_CONFIG]
+        configs = [ac.VERIFY_CONFIG]
     for batch, ctx in itertools.product((1, 4, 16), (1024, 4096)):
         n = 5
         k, v, tables, lens = paged_inputs([ctx] * batch)

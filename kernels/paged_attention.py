@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.attention_configs import MERGE_WARPS, decode_config, prefill_config
 from kernels.cpu_attention import CHUNK_SCORES, attend_chunk
 from kernels.fp8_kv import (
     E4M3_TILE_SCALE,
@@ -41,40 +42,6 @@ from kernels.fp8_kv import (
     is_fp8,
     kernel_operands,
 )
-
-# Decode: (BLOCK_N, num_warps, num_stages, waves of programs the splits aim for), for small
-# and large batches (x KV heads); prefill: (tile rows = queries x grouped heads, BLOCK_N,
-# num_warps, num_stages, waves). From the
-# H100 sweep in `kernel_tune.py` (8B shapes, 1k contexts): 0.82 of copy bandwidth at batch 64.
-# Small batches since (H200, CUDA graphs, 8B shapes; the method of
-# `benchmarks/attention_graphs.py --sweep`): 5 stages, which give the loop its second
-# K/V buffer (Triton pipelines these gathered loads one tile ahead only from 5 stages), and a
-# wave of programs: 0.92-0.94 of the time of (64, 4, 3, 4) at batch 1 x 8k, 16 x 1k, 16 x 8k.
-DECODE_CONFIG = (64, 4, 5, 1)
-# Large batches: with base-2 scores (32, 4, 2, 4) took 1.28x its time at 128 x 1k (169 against
-# 132 us; these configurations' times jump between compilations of nearby ones); this one is
-# within 1% of it at 64 and 128 x 1k.
-DECODE_CONFIG_LARGE = (64, 4, 3, 2)  # batch x KV heads >= 256
-PREFILL_CONFIG = (64, 32, 4, 2, 2)  # + waves of programs a short chunk's splits aim for
-# Chunks whose queries x grouped heads fit 32 tile rows (a speculative step's 1 + k tokens):
-# `kernel_tune.py --sweep verify` (H200, 8B shapes, 5 queries on 1k-4k contexts, batch 1-16):
-# 0.80-0.85 of the default's time, 1.13-1.29x decode's on the same contexts.
-VERIFY_CONFIG = (32, 32, 4, 2, 2)
-# The merge of the splits: one warp per (token, head) program. H200, D=128: 2.6 us against 8.3
-# with 4 warps for 80 tokens x 32 heads x 4 splits (a batch-16 verify step's), 2.0 against 3.0
-# for 16 decodes x 8 splits, 2.8 against 3.4 for 5 tokens x 64 splits.
-MERGE_WARPS = 1
-# An FP8 cache's, from H200 sweeps (8B shapes, contexts of 1k-8k, batch 1-128, CUDA graphs as
-# in `benchmarks/attention_graphs.py --sweep`).
-# FP8 decode is bound by instruction issue (Nsight Compute: 2 of 4 instructions a cycle, 14
-# warps an SM), the E4M3 -> fp16 conversions 40% of them (`kernels.fp8_kv`): 1.16-1.28x bf16's
-# speed at batch 16-128 (54 against 69 us at 64 x 1k), 1.1x at batch 1 x 8k.
-DECODE_CONFIG_FP8 = (64, 4, 2, 2)
-DECODE_CONFIG_FP8_LARGE = (128, 4, 2, 2)  # batch x KV heads >= 1024
-# Prefill against (128, 128, 8, 2, 2) before: 0.84x the time of 16 x 2k-token prompts, 0.87x a
-# 256-token chunk on an 8k context; verify against (32, 128, 4, 3, 2): 0.86x at batch 16.
-PREFILL_CONFIG_FP8 = (128, 64, 4, 3, 2)
-VERIFY_CONFIG_FP8 = (32, 128, 4, 2, 2)
 
 
 def paged_decode(
@@ -244,11 +211,7 @@ def paged_decode_triton(
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     if config is None:
-        programs = batch * kv_heads
-        if is_fp8(k_cache):
-            config = DECODE_CONFIG_FP8_LARGE if programs >= 1024 else DECODE_CONFIG_FP8
-        else:
-            config = DECODE_CONFIG_LARGE if programs >= 256 else DECODE_CONFIG
+        config = decode_config(batch * kv_heads, is_fp8(k_cache))
     block_n, num_warps, num_stages, waves = config
     splits = num_splits(batch * kv_heads, waves, q.device)
     part_o = q.new_empty(batch, heads, splits, dim, dtype=torch.float32)
@@ -302,10 +265,7 @@ def paged_prefill_triton(
     group = heads // kv_heads
     g_pad = triton.next_power_of_2(group)
     if config is None:
-        short = max_query_len * g_pad <= VERIFY_CONFIG[0]
-        config = VERIFY_CONFIG if short else PREFILL_CONFIG
-        if is_fp8(k_cache):
-            config = VERIFY_CONFIG_FP8 if short else PREFILL_CONFIG_FP8
+        config = prefill_config(max_query_len * g_pad, is_fp8(k_cache))
     block_m, block_n, num_warps, num_stages, waves = config
     block_m = max(1, block_m // g_pad)  # queries per program: BLOCK_M x G_PAD tile rows
     q_blocks = triton.cdiv(max_query_len, block_m)

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels import attention_configs as ac  # noqa: E402
 from kernels import fused  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
 from kernels.attention import AttentionMetadata, paged_attention  # noqa: E402
@@ -210,11 +211,11 @@ def test_decode_fp8_triton_matches_torch(dtype):
 def test_prefill_fp8_triton_matches_torch(dtype, case):
     if case == "prefill":
         # (context, new): no cache; cache ending mid-page; one new token; a chunk over pages.
-        ctx_lens, q_lens, config = [9, 23, 40, 70], [9, 6, 1, 40], pa.PREFILL_CONFIG
+        ctx_lens, q_lens, config = [9, 23, 40, 70], [9, 6, 1, 40], ac.PREFILL_CONFIG
     else:
         # Short chunks on long contexts: the context is split over programs and merged.
         ctx_lens, q_lens, config = [150, 37], [3, 1], None
-        assert pa.num_splits(2 * KV_HEADS, pa.VERIFY_CONFIG[4], torch.device(DEVICE)) > 1
+        assert pa.num_splits(2 * KV_HEADS, ac.VERIFY_CONFIG[4], torch.device(DEVICE)) > 1
     p = Pool(ctx_lens, seed=len(ctx_lens))
     q = p.queries(sum(q_lens), dtype)
     got = prefill(pa.paged_prefill_triton, p, q, q_lens, config=config)

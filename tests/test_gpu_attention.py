@@ -17,6 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
+from kernels import attention_configs as ac  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -117,12 +118,12 @@ def test_prefill_tiny(dtype, kv_heads):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (6, 2)])
-@pytest.mark.parametrize("config", [None, pa.PREFILL_CONFIG], ids=["verify", "prefill"])
+@pytest.mark.parametrize("config", [None, ac.PREFILL_CONFIG], ids=["verify", "prefill"])
 def test_extend_split_tiny(dtype, heads, kv_heads, config):
     # Short chunks on long contexts: few programs, so the context is split over programs and
     # merged; the last chunk's 3 queries see different numbers of keys in the last split.
     # Such chunks take `VERIFY_CONFIG` (by default) or any other tile.
-    for cfg in (pa.VERIFY_CONFIG, pa.PREFILL_CONFIG):
+    for cfg in (ac.VERIFY_CONFIG, ac.PREFILL_CONFIG):
         assert pa.num_splits(2 * kv_heads, cfg[4], torch.device(DEVICE)) > 1
     ctx_lens, q_lens = [150, 37], [3, 1]
     check_prefill(ctx_lens, q_lens, heads, kv_heads, dim=16, page_size=4, dtype=dtype,
