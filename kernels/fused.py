@@ -259,7 +259,8 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(tokens, inter)
     block = 1024
     _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+        gate_up, out, out, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
+        QUANT=False, num_warps=4,
     )
     return out
 
@@ -271,9 +272,9 @@ def silu_mul_fp8_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, Fp8Rows]:
     out = gate_up.new_empty(tokens, inter)
     q, scale = _fp8_rows_out(out)
     block = triton.next_power_of_2(inter)
-    _silu_mul_fp8_kernel[(tokens,)](
+    _silu_mul_kernel[(tokens, 1)](
         gate_up, out, q, scale, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
-        num_warps=min(16, max(4, block // 1024)))
+        QUANT=True, num_warps=min(16, max(4, block // 1024)))
     return out, Fp8Rows(q.view(FP8), scale)
 
 
@@ -380,7 +381,9 @@ def _rope_cache_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(in_ptr, out_ptr, s_in, s_out, INTER, BLOCK: tl.constexpr):
+def _silu_mul_kernel(in_ptr, out_ptr, q_ptr, scale_ptr, s_in, s_out, INTER, BLOCK: tl.constexpr,
+                     QUANT: tl.constexpr):
+    # QUANT: one program per row, the whole row in one block, its bytes and scale written too.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < INTER
@@ -388,19 +391,7 @@ def _silu_mul_kernel(in_ptr, out_ptr, s_in, s_out, INTER, BLOCK: tl.constexpr):
     up = tl.load(in_ptr + t * s_in + INTER + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # torch rounds silu first
-    tl.store(out_ptr + t * s_out + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=ok)
-
-
-@triton.jit
-def _silu_mul_fp8_kernel(in_ptr, out_ptr, q_ptr, scale_ptr, s_in, s_out, INTER,
-                         BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < INTER
-    gate = tl.load(in_ptr + t * s_in + cols, mask=ok, other=0.0)
-    up = tl.load(in_ptr + t * s_in + INTER + cols, mask=ok, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # torch rounds silu first
     out = (silu * up.to(tl.float32)).to(gate.dtype)
     tl.store(out_ptr + t * s_out + cols, out, mask=ok)
-    quantize_row_into(out.to(tl.float32), ok, q_ptr + t * INTER, scale_ptr + t, cols)
+    if QUANT:
+        quantize_row_into(out.to(tl.float32), ok, q_ptr + t * INTER, scale_ptr + t, cols)
