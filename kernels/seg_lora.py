@@ -249,7 +249,8 @@ def seg_expand_triton(
     only ones read, with the slot's `ranks[slot]` rows of b_pool).
 
     Args:
-        y: [T, sum(sizes)]; partials: [splits, T, len(sizes) * R] fp32 (up to 3 slices);
+        y: [T, sum(sizes)], in the pool's dtype or fp32 (`LoraSlots.delta`);
+        partials: [splits, T, len(sizes) * R] fp32 (up to 3 slices);
         b_pool: [U, sum(sizes)]; starts, ranks: [num_slots] int; max_rank: R.
     """
     n, capacity = b_pool.shape[1], seg_slots.shape[0]
@@ -264,7 +265,7 @@ def seg_expand_triton(
     _expand_kernel[(triton.cdiv(n, block_n), capacity)](
         partials, b_pool, y, seg_indptr, seg_slots, starts, ranks, scales, n, max_rank, splits,
         ends[0], ends[1], *partials.stride()[:2], *b_pool.stride(), *y.stride(),
-        NUM_SLICES=len(sizes), PRECISION=_precision(y), UPCAST=_INTERPRETED,
+        NUM_SLICES=len(sizes), PRECISION=_precision(b_pool), UPCAST=_INTERPRETED,
         BLOCK_M=_block_m(max_rows), BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         BLOCK_S=triton.next_power_of_2(splits), num_warps=num_warps,

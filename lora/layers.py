@@ -4,6 +4,11 @@ The wrapped linear runs the base projection, then adds every token's own adapter
 through `LoraSlots.apply` with the step's `LoraBatchInfo`. The model runner builds that info
 once per step (`LoraContext.begin_step`); a step where no token has an adapter sets none, and
 every wrapper then costs one attribute check.
+
+In a captured CUDA graph the shrink runs on a side stream beside the base projection. In small
+steps the expand goes there too, into an fp32 delta that the kernel reading the projection's
+output adds (`deferred_projection`; RoPE for qkv, the residual add's RMSNorm for o, SiLU-and-mul
+for gate_up), so LoRA puts no node of its own on the main stream between them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,14 @@ from kernels.fp8 import Fp8Linear, Fp8Rows
 from kernels.linear import Linear
 from lora.batch import LoraBatchInfo
 from lora.slots import LoraSlots
+
+# Steps of up to this many rows defer their adapters' output to the consumer kernels
+# (`LoraLinear.deferred`). H200, Llama-3-8B in bf16, rank-16 adapters on all projections, 1k
+# contexts, the decode graph replayed alone (ms, base / in-place expands / deferred): batch 1
+# 4.40 / 5.08 / 4.81, batch 16 over 4 adapters 5.03 / 5.87 / 5.74, batch 64 over 8 adapters
+# 6.72 / 7.91 / 8.04. At 64 rows the side stream's two kernels slow the base GEMMs beside
+# them more than the expand node they save (`benchmarks/results/lora_decode_graph_h200.md`).
+DEFER_MAX_ROWS = 16
 
 
 class LoraContext:
@@ -67,6 +80,37 @@ class LoraLinear(nn.Module):
         main.wait_stream(side)
         slots.expand(y, t, self.layer, self.fused, info)
         return y
+
+    def deferred(self, x: torch.Tensor, x_rows: Fp8Rows | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(base(x), delta)` with the adapters' output in `delta` (fp32, `LoraSlots.delta`),
+        for a consumer kernel that adds it as it reads y (`kernels.fused`'s `delta`
+        arguments): while a decode graph is captured, the shrink and the expand both run on
+        the side stream beside the base projection, and no expand node waits for the base
+        on the main stream. Otherwise `(forward(x), None)`.
+
+        Only in steps of up to `DEFER_MAX_ROWS` rows (measured there)."""
+        info, side = self.ctx.info, self.ctx.side_stream
+        if (info is None or not info.has_lora or info.kernel == "sgmv" or side is None
+                or x.shape[0] > DEFER_MAX_ROWS or not torch.cuda.is_current_stream_capturing()):
+            return self(x, x_rows), None
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            delta = self.ctx.slots.delta(x, self.layer, self.fused, info)
+        y = self.base(x, x_rows)
+        main.wait_stream(side)
+        return y, delta
+
+
+def deferred_projection(proj: nn.Module, x: torch.Tensor, x_rows: Fp8Rows | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`proj(x, x_rows)` as `(y, delta)` for a caller that adds `delta` (fp32, or None) to y
+    in the kernel that reads y: a LoRA wrapper's `LoraLinear.deferred`, any other
+    projection's `(y, None)`."""
+    if isinstance(proj, LoraLinear):
+        return proj.deferred(x, x_rows)
+    return proj(x, x_rows), None
 
 
 # What `wrap_model` wraps in each decoder layer: (its submodule, the fused projection in it).

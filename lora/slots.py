@@ -337,3 +337,12 @@ class LoraSlots:
     def expand(self, y: torch.Tensor, t, layer: int, fused: str, info: LoraBatchInfo) -> None:
         pool = self.layers[layer][fused]
         projection_expand(y, t, pool.b, pool.sizes, self.tables[fused], info)
+
+    def delta(self, x: torch.Tensor, layer: int, fused: str, info: LoraBatchInfo
+              ) -> torch.Tensor:
+        """What `apply` adds to the base output, alone and unrounded: fp32 [T, out_features],
+        zero on rows without an adapter (`kernels.fused.with_delta(y, delta)` is then `apply`'s
+        y, bit for bit); needs `info.has_lora`."""
+        d = x.new_zeros(x.shape[0], self.layers[layer][fused].b.shape[1], dtype=torch.float32)
+        self.expand(d, self.shrink(x, layer, fused, info), layer, fused, info)
+        return d

@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
-from kernels import seg_lora  # noqa: E402
+from kernels import fused, seg_lora  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -188,6 +188,36 @@ def test_triton_matches_torch(triton_ready, dtype, proj, config):
     assert_close(y_tri, y_ref, dtype)
     untouched = torch.tensor([s < 0 or RANKS[s] == 0 for s in ROW_SLOTS])
     assert torch.equal(y_tri[untouched], y[untouched])
+
+
+@pytest.mark.parametrize("proj", list(SIZES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_expand_into_an_fp32_delta(triton_ready, dtype, proj):
+    """Expanded into zeros in fp32 (`LoraSlots.delta`, a decode graph's deferred LoRA), then
+    added by the consumer (`fused.with_delta`), the result is the in-place expand's: the same
+    fp32 sum, exactly where nothing contracts y + scale * acc into one FMA (the interpreter),
+    rounded once to y's dtype (within one bf16 ulp: the interpreter's bf16 rounding is not
+    torch's)."""
+    sizes = SIZES[proj]
+    max_rank, shrink_cfg, expand_cfg, max_rows = CONFIGS["small"]
+    x, y, pool = make_case(dtype, sizes, f"delta{dtype}{proj}")
+    indptr, slots = table(max_rows)
+    partials = seg_lora.seg_shrink(x, pool.a, pool.starts, pool.ranks, max_rank, indptr, slots,
+                                   max_rows, shrink_cfg)
+    args = (pool.b, sizes, pool.starts, pool.ranks, max_rank, indptr, slots, pool.scales,
+            max_rows, expand_cfg)
+    y_in_place = y.clone()
+    seg_lora.seg_expand_triton(y_in_place, partials, *args)
+    delta = torch.zeros(y.shape, dtype=torch.float32, device=DEVICE)
+    seg_lora.seg_expand_triton(delta, partials, *args)
+    untouched = torch.tensor([s < 0 or RANKS[s] == 0 for s in ROW_SLOTS])
+    assert (delta[untouched] == 0).all() and (delta[~untouched] != 0).any()
+    got = fused.with_delta(y, delta)
+    if INTERPRET and dtype == torch.float32:
+        assert torch.equal(got, y_in_place)
+    else:
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2e-6
+        torch.testing.assert_close(got.float(), y_in_place.float(), rtol=ulp, atol=1e-6)
 
 
 @pytest.mark.parametrize("proj", list(SIZES))

@@ -26,6 +26,7 @@ from kernels import fused
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.fp8 import Fp8Rows
 from kernels.linear import Linear
+from lora.layers import deferred_projection
 
 if TYPE_CHECKING:
     from engine.parallel.collectives import TPGroup
@@ -40,14 +41,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); may write into x and residual."""
-        return fused.add_rms_norm(x, residual, self.weight, self.eps)
+    def add(self, x: torch.Tensor, residual: torch.Tensor, delta: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); may write into x and residual. `delta`: the
+        deferred LoRA output of x's projection, added to x first."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps, delta)
 
-    def add_quantized(self, x: torch.Tensor, residual: torch.Tensor
+    def add_quantized(self, x: torch.Tensor, residual: torch.Tensor,
+                      delta: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, Fp8Rows]:
         """`add`, and the normed rows quantized for an FP8 projection (by the same kernel)."""
-        return fused.add_rms_norm_fp8(x, residual, self.weight, self.eps)
+        return fused.add_rms_norm_fp8(x, residual, self.weight, self.eps, delta)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -112,10 +116,15 @@ class Attention(nn.Module):
         self.register_buffer("kv_scales", torch.empty(2, cfg.num_kv_heads), persistent=False)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata,
-                x_rows: Fp8Rows | None = None) -> torch.Tensor:
+                x_rows: Fp8Rows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output projection's (output, deferred LoRA delta or None: its consumer adds
+        it, `lora.layers.deferred_projection`)."""
         q = self.project(x, cos, sin, kv_cache, meta.slot_mapping, x_rows)
-        return self.output(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale,
-                                           kv_scales=self.kv_scales))
+        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale,
+                            kv_scales=self.kv_scales)
+        if self.tp is not None:  # the delta of a row-parallel projection is a partial sum
+            return self.output(o), None
+        return deferred_projection(self.o_proj, o.reshape(o.shape[0], self.q_size))
 
     def project(self, x, cos, sin, kv_cache, slot_mapping: torch.Tensor,
                 x_rows: Fp8Rows | None = None) -> torch.Tensor:
@@ -124,8 +133,11 @@ class Attention(nn.Module):
         graphs, engine/runner/piecewise_graphs.py, replay it and run the attention between.)
         `x_rows`: x quantized for an FP8 qkv projection, if the norm before did it."""
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x, x_rows).split([self.q_size, self.kv_size, self.kv_size],
-                                                  dim=-1)
+        if self.qk_norm is None:  # RoPE's kernel adds the adapters' deferred output
+            qkv, delta = deferred_projection(self.qkv_proj, x, x_rows)
+        else:
+            qkv, delta = self.qkv_proj(x, x_rows), None
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
@@ -140,6 +152,7 @@ class Attention(nn.Module):
             kv_cache[1],
             slot_mapping,
             self.kv_scales,
+            delta,
         )
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -158,8 +171,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, x_rows: Fp8Rows | None = None) -> torch.Tensor:
         """`x_rows`: x quantized for an FP8 gate_up projection, if the norm before did it."""
-        gate_up = self.gate_up_proj(x, x_rows)
-        h = fused.silu_mul_fp8(gate_up) if self.fp8_inputs else (fused.silu_mul(gate_up), None)
+        gate_up, delta = deferred_projection(self.gate_up_proj, x, x_rows)
+        h = (fused.silu_mul_fp8(gate_up, delta) if self.fp8_inputs
+             else (fused.silu_mul(gate_up, delta), None))
         out = self.down_proj(*h)
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -186,11 +200,11 @@ class DecoderLayer(nn.Module):
             x, residual, rows = self.input_layernorm.add_quantized(x, residual)
         else:
             x, residual = self.input_layernorm.add(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta, rows)
+        x, delta = self.self_attn(x, cos, sin, kv_cache, meta, rows)
         if self.fp8_inputs:
-            x, residual, rows = self.post_attention_layernorm.add_quantized(x, residual)
+            x, residual, rows = self.post_attention_layernorm.add_quantized(x, residual, delta)
         else:
-            x, residual = self.post_attention_layernorm.add(x, residual)
+            x, residual = self.post_attention_layernorm.add(x, residual, delta)
         return self.mlp(x, rows), residual
 
 
