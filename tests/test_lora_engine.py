@@ -125,6 +125,33 @@ def test_mixed_batch_equals_peft(tiny):
     assert plain.logprobs[0].logprob != tuned.logprobs[0].logprob
 
 
+def test_deferred_lora_output_equals_peft(tiny, monkeypatch):
+    """The small decode graphs' deferred LoRA (`lora.layers.LoraLinear.deferred`: the base
+    output, and the adapters' output as an fp32 delta that RoPE, the residual add's RMSNorm and
+    SiLU-and-mul add as they read it) gives peft's logits. On a CPU, which captures no graphs,
+    every LoRA projection is made to defer, so the model's plumbing of each delta to its
+    consumer runs here."""
+    import engine.runner.models.llama as llama
+    from lora.layers import LoraLinear
+
+    deferred: set[str] = set()
+
+    def always(proj, x, x_rows=None):
+        info = getattr(proj, "ctx", None) and proj.ctx.info
+        if not isinstance(proj, LoraLinear) or info is None or not info.has_lora:
+            return proj(x, x_rows), None
+        deferred.add(proj.fused)
+        return proj.base(x, x_rows), proj.ctx.slots.delta(x, proj.layer, proj.fused, info)
+
+    monkeypatch.setattr(llama, "deferred_projection", always)
+    base, paths, ref = tiny
+    llm = LLM(model=str(base), max_loras=4, max_lora_rank=16, num_pages=128, page_size=4)
+    for name, path in paths.items():
+        llm.load_adapter(name, path)
+    _run_and_compare(llm, ref, [None, "all8", "qv4", "mlp16", "ko2"])
+    assert deferred == {"qkv_proj", "o_proj", "gate_up_proj"}
+
+
 def test_laptop_defaults_serve_rank_64_beside_rank_8(tiny, tmp_path):
     """With the CPU's default LoRA settings (4 adapters, rank up to 128, 128 pool rows), a
     rank-64 adapter runs in one batch with rank-8, rank-4 and base requests, each at its own
