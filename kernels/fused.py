@@ -9,6 +9,10 @@ points; the kernels compute in fp32 and round once, so bf16 results may differ b
 Before an FP8 projection, the residual add's RMSNorm and SiLU-and-mul also quantize the rows
 they write (`add_rms_norm_fp8`, `silu_mul_fp8`: `kernels.fp8.quantize_rows`' bytes and scales),
 so the product launches no quantization of its own.
+
+RoPE, the residual add's RMSNorm and SiLU-and-mul take an optional fp32 `delta`: the adapters'
+output of the LoRA projection that made their input, deferred to them in small decode graphs
+(`lora.layers.LoraLinear.deferred`), added as they read the input (`with_delta`).
 """
 
 from __future__ import annotations
