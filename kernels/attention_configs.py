@@ -38,8 +38,10 @@ PREFILL_CONFIG_FP8 = (128, 64, 4, 3, 2)
 VERIFY_CONFIG_FP8 = (32, 128, 4, 2, 2)
 
 
-def decode_config(programs: int, fp8: bool) -> tuple[int, int, int, int]:
-    """The decode kernel's configuration for `programs` = batch x KV heads."""
+def decode_config(programs: int, fp8: bool) -> tuple[int, ...]:
+    """The decode kernel's configuration for `programs` = batch x KV heads: (BLOCK_N,
+    num_warps, num_stages, waves), and optionally the registers a thread may use at most
+    (Triton's `maxnreg`: more programs an SM, at the cost of spills)."""
     if fp8:
         return DECODE_CONFIG_FP8_LARGE if programs >= 1024 else DECODE_CONFIG_FP8
     return DECODE_CONFIG_LARGE if programs >= 256 else DECODE_CONFIG

@@ -204,15 +204,17 @@ def paged_decode_triton(
     scale: float,
     out: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
 ) -> None:
-    """Same contract as `paged_decode_torch`."""
+    """Same contract as `paged_decode_torch`. `config`: (BLOCK_N, num_warps, num_stages,
+    waves[, registers a thread at most]) as `attention_configs.decode_config` gives it."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     if config is None:
         config = decode_config(batch * kv_heads, is_fp8(k_cache))
-    block_n, num_warps, num_stages, waves = config
+    block_n, num_warps, num_stages, waves, *max_registers = config
+    launch = {"maxnreg": max_registers[0]} if max_registers else {}
     splits = num_splits(batch * kv_heads, waves, q.device)
     part_o = q.new_empty(batch, heads, splits, dim, dtype=torch.float32)
     part_ml = q.new_empty(batch, heads, splits, 2, dtype=torch.float32)  # base-2 max, sum
@@ -228,7 +230,8 @@ def paged_decode_triton(
         splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         PAGE=page_size, BLOCK_N=block_n, UPCAST=_interpreted(), FP8=fp8,
-        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages, **common,
+        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages, **launch,
+        **common,
     )
     _decode_merge_kernel[(batch, heads)](
         part_o, part_ml, out, out.stride(0), out.stride(1),

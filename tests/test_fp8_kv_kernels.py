@@ -9,6 +9,7 @@ KV head (0.05 and 0.2), so a kernel that takes the wrong head's scale, or K's fo
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -196,12 +197,14 @@ def test_e4m3_tile_conversions_are_exact():
     assert want.abs().max() == 448 and (want == 2.0**-9).any()  # the largest, a subnormal
 
 
+# A configuration with the registers capped, as `benchmarks/attention_graphs.py --sweep` tries.
+@pytest.mark.parametrize("config", [None, (64, 8, 1, 2, 64)], ids=["default", "maxnreg"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_fp8_triton_matches_torch(dtype):
+def test_decode_fp8_triton_matches_torch(dtype, config):
     # One token, a page boundary, past one 64-key block, several pages and splits.
     p = Pool([1, 16, 17, 70, 150], seed=11)
     q = p.queries(5, dtype)
-    got = decode(pa.paged_decode_triton, p, q)
+    got = decode(functools.partial(pa.paged_decode_triton, config=config), p, q)
     ref = decode(pa.paged_decode_torch, p, q.float())
     assert_close(got, ref)
 
