@@ -113,12 +113,7 @@ def _base_only(self: LoraLinear, x, rows, variant):
 def _fork_only(self: LoraLinear, x, rows, variant):
     if self.ctx.info is None or not torch.cuda.is_current_stream_capturing():
         return self.base(x, rows)
-    main, side = torch.cuda.current_stream(), self.ctx.side_stream
-    assert side is not None
-    side.wait_stream(main)
-    y = self.base(x, rows)
-    main.wait_stream(side)
-    return y
+    return self.beside_base(x, rows, lambda: None)[0]
 
 
 def _serial(self: LoraLinear, x, rows, variant):
@@ -141,17 +136,11 @@ def _serial(self: LoraLinear, x, rows, variant):
 
 
 def _side_delta(self: LoraLinear, x, rows, variant):
-    info, side = self.ctx.info, self.ctx.side_stream
+    info = self.ctx.info
     if info is None or not info.has_lora or not torch.cuda.is_current_stream_capturing():
         return _main_forward(self, x, rows)
-    assert side is not None
-    main = torch.cuda.current_stream()
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        self.ctx.slots.delta(x, self.layer, self.fused, info)  # never added
-    y = self.base(x, rows)
-    main.wait_stream(side)
-    return y
+    delta = lambda: self.ctx.slots.delta(x, self.layer, self.fused, info)  # noqa: E731
+    return self.beside_base(x, rows, delta)[0]  # the delta is never added
 
 
 _main_forward = LoraLinear.forward

@@ -13,7 +13,8 @@ for gate_up), so LoRA puts no node of its own on the main stream between them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +23,8 @@ from kernels.fp8 import Fp8Linear, Fp8Rows
 from kernels.linear import Linear
 from lora.batch import LoraBatchInfo
 from lora.slots import LoraSlots
+
+T = TypeVar("T")
 
 # Steps of up to this many rows defer their adapters' output to the consumer kernels
 # (`LoraLinear.deferred`). H200, Llama-3-8B in bf16, rank-16 adapters on all projections, 1k
@@ -66,20 +69,28 @@ class LoraLinear(nn.Module):
         info, slots = self.ctx.info, self.ctx.slots
         if info is None or not info.has_lora:
             return self.base(x, x_rows)
-        side = self.ctx.side_stream
-        if side is None or not torch.cuda.is_current_stream_capturing():
+        if self.ctx.side_stream is None or not torch.cuda.is_current_stream_capturing():
             y = self.base(x, x_rows)  # (num_tokens, out_features)
             slots.apply(y, x, self.layer, self.fused, info)
             return y
         # Captured: the shrink branches off to the side stream, the expand joins after both.
+        y, t = self.beside_base(x, x_rows, lambda: slots.shrink(x, self.layer, self.fused, info))
+        slots.expand(y, t, self.layer, self.fused, info)
+        return y
+
+    def beside_base(self, x: torch.Tensor, x_rows: Fp8Rows | None, work: Callable[[], T]
+                    ) -> tuple[torch.Tensor, T]:
+        """(base(x), work()): `work` on the side stream beside the base projection, joined
+        after both (while a CUDA graph is captured)."""
+        side = self.ctx.side_stream
+        assert side is not None
         main = torch.cuda.current_stream()
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            t = slots.shrink(x, self.layer, self.fused, info)
+            out = work()
         y = self.base(x, x_rows)
         main.wait_stream(side)
-        slots.expand(y, t, self.layer, self.fused, info)
-        return y
+        return y, out
 
     def deferred(self, x: torch.Tensor, x_rows: Fp8Rows | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -90,17 +101,13 @@ class LoraLinear(nn.Module):
         on the main stream. Otherwise `(forward(x), None)`.
 
         Only in steps of up to `DEFER_MAX_ROWS` rows (measured there)."""
-        info, side = self.ctx.info, self.ctx.side_stream
-        if (info is None or not info.has_lora or info.kernel == "sgmv" or side is None
-                or x.shape[0] > DEFER_MAX_ROWS or not torch.cuda.is_current_stream_capturing()):
+        info = self.ctx.info
+        if (info is None or not info.has_lora or info.kernel == "sgmv"
+                or self.ctx.side_stream is None or x.shape[0] > DEFER_MAX_ROWS
+                or not torch.cuda.is_current_stream_capturing()):
             return self(x, x_rows), None
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            delta = self.ctx.slots.delta(x, self.layer, self.fused, info)
-        y = self.base(x, x_rows)
-        main.wait_stream(side)
-        return y, delta
+        return self.beside_base(
+            x, x_rows, lambda: self.ctx.slots.delta(x, self.layer, self.fused, info))
 
 
 def deferred_projection(proj: nn.Module, x: torch.Tensor, x_rows: Fp8Rows | None = None
