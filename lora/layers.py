@@ -8,7 +8,8 @@ every wrapper then costs one attribute check.
 In a captured CUDA graph the shrink runs on a side stream beside the base projection. In small
 steps the expand goes there too, into an fp32 delta that the kernel reading the projection's
 output adds (`deferred_projection`; RoPE for qkv, the residual add's RMSNorm for o, SiLU-and-mul
-for gate_up), so LoRA puts no node of its own on the main stream between them.
+for gate_up, the next layer's residual add and RMSNorm for down), so LoRA puts no node of its
+own on the main stream between them.
 """
 
 from __future__ import annotations
