@@ -8,7 +8,8 @@ every wrapper then costs one attribute check.
 In a captured CUDA graph the shrink runs on a side stream beside the base projection. In small
 steps the expand goes there too, into an fp32 delta that the kernel reading the projection's
 output adds (`deferred_projection`; RoPE for qkv, the residual add's RMSNorm for o, SiLU-and-mul
-for gate_up), so LoRA puts no node of its own on the main stream between them.
+for gate_up, the next layer's residual add and RMSNorm for down), so LoRA puts no node of its
+own on the main stream between them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ T = TypeVar("T")
 # 6.72 / 7.91 / 8.04. At 64 rows the side stream's two kernels slow the base GEMMs beside
 # them more than the expand node they save (`benchmarks/results/lora_decode_graph_h200.md`).
 DEFER_MAX_ROWS = 16
+# down_proj's delta waits for the next layer's RMSNorm, a whole attention later, and gains only
+# while the step has few distinct adapters (same setup; base / in-place / deferred): batch 1
+# 4.39 / 4.81 / 4.63, batch 4 over 2 adapters 5.01 / 4.87, but over 4 adapters 5.15 / 5.24,
+# batch 8 over 8 adapters 5.65 / 5.75. Up to 2 rows a step has at most 2 adapters.
+DEFER_DOWN_MAX_ROWS = 2
 
 
 class LoraContext:
@@ -92,31 +98,32 @@ class LoraLinear(nn.Module):
         main.wait_stream(side)
         return y, out
 
-    def deferred(self, x: torch.Tensor, x_rows: Fp8Rows | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def deferred(self, x: torch.Tensor, x_rows: Fp8Rows | None = None,
+                 max_rows: int = DEFER_MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(base(x), delta)` with the adapters' output in `delta` (fp32, `LoraSlots.delta`),
         for a consumer kernel that adds it as it reads y (`kernels.fused`'s `delta`
         arguments): while a decode graph is captured, the shrink and the expand both run on
         the side stream beside the base projection, and no expand node waits for the base
         on the main stream. Otherwise `(forward(x), None)`.
 
-        Only in steps of up to `DEFER_MAX_ROWS` rows (measured there)."""
+        Only in steps of up to `max_rows` rows (`DEFER_MAX_ROWS`: measured there)."""
         info = self.ctx.info
         if (info is None or not info.has_lora or info.kernel == "sgmv"
-                or self.ctx.side_stream is None or x.shape[0] > DEFER_MAX_ROWS
+                or self.ctx.side_stream is None or x.shape[0] > max_rows
                 or not torch.cuda.is_current_stream_capturing()):
             return self(x, x_rows), None
         return self.beside_base(
             x, x_rows, lambda: self.ctx.slots.delta(x, self.layer, self.fused, info))
 
 
-def deferred_projection(proj: nn.Module, x: torch.Tensor, x_rows: Fp8Rows | None = None
+def deferred_projection(proj: nn.Module, x: torch.Tensor, x_rows: Fp8Rows | None = None,
+                        max_rows: int = DEFER_MAX_ROWS
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`proj(x, x_rows)` as `(y, delta)` for a caller that adds `delta` (fp32, or None) to y
     in the kernel that reads y: a LoRA wrapper's `LoraLinear.deferred`, any other
     projection's `(y, None)`."""
     if isinstance(proj, LoraLinear):
-        return proj.deferred(x, x_rows)
+        return proj.deferred(x, x_rows, max_rows)
     return proj(x, x_rows), None
 
 

@@ -26,7 +26,7 @@ from kernels import fused
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.fp8 import Fp8Rows
 from kernels.linear import Linear
-from lora.layers import deferred_projection
+from lora.layers import DEFER_DOWN_MAX_ROWS, deferred_projection
 
 if TYPE_CHECKING:
     from engine.parallel.collectives import TPGroup
@@ -171,11 +171,27 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, x_rows: Fp8Rows | None = None) -> torch.Tensor:
         """`x_rows`: x quantized for an FP8 gate_up projection, if the norm before did it."""
-        gate_up, delta = deferred_projection(self.gate_up_proj, x, x_rows)
-        h = (fused.silu_mul_fp8(gate_up, delta) if self.fp8_inputs
-             else (fused.silu_mul(gate_up, delta), None))
-        out = self.down_proj(*h)
+        out = self.down_proj(*self._activation(x, x_rows))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def deferred(self, x: torch.Tensor, x_rows: Fp8Rows | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` as (output, down_proj's deferred LoRA delta or None), for the next
+        RMSNorm to add (`lora.layers.deferred_projection`). Not under tensor parallelism: there
+        the output is a partial sum, and its adapters' part goes in before the all-reduce.
+        Only in steps of up to `DEFER_DOWN_MAX_ROWS` rows (measured there)."""
+        if self.tp is not None:
+            return self(x, x_rows), None
+        return deferred_projection(self.down_proj, *self._activation(x, x_rows),
+                                   max_rows=DEFER_DOWN_MAX_ROWS)
+
+    def _activation(self, x: torch.Tensor, x_rows: Fp8Rows | None
+                    ) -> tuple[torch.Tensor, Fp8Rows | None]:
+        """SiLU-and-mul of the gate_up projection (its rows quantized for an FP8 down_proj)."""
+        gate_up, delta = deferred_projection(self.gate_up_proj, x, x_rows)
+        if self.fp8_inputs:
+            return fused.silu_mul_fp8(gate_up, delta)
+        return fused.silu_mul(gate_up, delta), None
 
 
 class DecoderLayer(nn.Module):
@@ -189,23 +205,25 @@ class DecoderLayer(nn.Module):
         # projection after it, in the same kernel (one launch less each).
         self.fp8_inputs = False
 
-    def forward(self, x, residual, cos, sin, kv_cache, meta):
+    def forward(self, x, residual, cos, sin, kv_cache, meta, delta=None):
         """x: the previous layer's MLP output (the embeddings for the first layer, whose
-        `residual` is None); returns this layer's MLP output and the residual stream before
-        it. Each residual add is fused into the RMSNorm after it."""
+        `residual` is None) and `delta` its down projection's deferred LoRA output (or None);
+        returns this layer's MLP output, the residual stream before it, and its delta. Each
+        residual add is fused into the RMSNorm after it, which adds the delta too."""
         rows = None
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         elif self.fp8_inputs:
-            x, residual, rows = self.input_layernorm.add_quantized(x, residual)
+            x, residual, rows = self.input_layernorm.add_quantized(x, residual, delta)
         else:
-            x, residual = self.input_layernorm.add(x, residual)
+            x, residual = self.input_layernorm.add(x, residual, delta)
         x, delta = self.self_attn(x, cos, sin, kv_cache, meta, rows)
         if self.fp8_inputs:
             x, residual, rows = self.post_attention_layernorm.add_quantized(x, residual, delta)
         else:
             x, residual = self.post_attention_layernorm.add(x, residual, delta)
-        return self.mlp(x, rows), residual
+        out, delta = self.mlp.deferred(x, rows)
+        return out, residual, delta
 
 
 class LlamaForCausalLM(nn.Module):
@@ -260,10 +278,11 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D/2)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         residual: torch.Tensor | None = None  # the first layer starts it
+        delta = None  # the layer before's deferred LoRA output (`DecoderLayer.forward`)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv, meta)
+            x, residual, delta = layer(x, residual, cos, sin, kv, meta, delta)
         assert residual is not None
-        return self.norm.add(x, residual)[0]
+        return self.norm.add(x, residual, delta)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] -> [T, hidden]; a rank looks up its own vocabulary rows, the others
