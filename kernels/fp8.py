@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from kernels.decode_gemm import SMALL_M, decode_gemm
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _MIN_AMAX = 1e-12  # an all-zero row gets this scale's floor instead of dividing by zero
@@ -207,11 +209,10 @@ def e4m3_bytes(v, scale):
 
 
 # Decode-sized products: cuBLASLt's FP8 kernel for 64 rows tiles 128 x 128 (32 programs over
-# N = 4096 on 132 SMs). This kernel tiles N narrowly (BLOCK_N columns a program), all rows in
-# one tile. H200, Llama-3-8B's four projections, each timed in a CUDA graph over 8 distinct
-# weights: 85 us a layer at 64 rows and 77 at 1-16 (cuBLASLt 110 at 64 rows, bf16 132-140);
+# N = 4096 on 132 SMs). `kernels.decode_gemm` tiles N narrowly (BLOCK_N columns a program), all
+# rows in one tile. H200, Llama-3-8B's four projections, each timed in a CUDA graph over 8
+# distinct weights: 85 us a layer at 64 rows and 77 at 1-16 (cuBLASLt 110 at 64 rows, bf16 132-140);
 # 0.36-0.82 of the copy bandwidth, the narrow projections lowest (benchmarks/fp8_gemm_tune.py).
-SMALL_M = 64  # rows up to which `fp8_linear` takes `fp8_gemm_triton` on CUDA
 
 
 def decode_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
@@ -236,47 +237,8 @@ def decode_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 def fp8_gemm_triton(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
                     out_dtype: torch.dtype, block_n: int = 32, block_k: int = 256,
                     split_k: int = 1, num_stages: int = 4, num_warps: int = 4) -> torch.Tensor:
-    """`fp8_matmul_reference`'s contract for up to `SMALL_M` rows: one program per `block_n`
-    output columns and `split_k`-th of K, all rows in one tile; split products are summed in
-    fp32 (atomically) and then cast."""
-    m, k = qx.shape
-    n = qw.shape[0]
-    if split_k == 1:
-        out = torch.empty((m, n), dtype=out_dtype, device=qx.device)
-    else:
-        out = torch.zeros((m, n), dtype=torch.float32, device=qx.device)
-    k_chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    _fp8_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
-        qx.view(torch.uint8), sx, qw.view(torch.uint8), sw, out, m, n, k, k_chunk,
-        qx.stride(0), qw.stride(0), out.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1, num_stages=num_stages,
-        num_warps=num_warps)
-    return out if split_k == 1 else out.to(out_dtype)
-
-
-@triton.jit
-def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, K_CHUNK, s_a, s_b, s_c,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ATOMIC: tl.constexpr):
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    k_start = tl.program_id(1) * K_CHUNK
-    k_end = tl.minimum(k_start + K_CHUNK, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * s_a + kk[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < k_end), other=0)
-        b = tl.load(b_ptr + rn[None, :] * s_b + kk[:, None],
-                    mask=(rn[None, :] < N) & (kk[:, None] < k_end), other=0)
-        acc = tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True), acc)
-    sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
-    sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
-    acc = acc * sa[:, None] * sb[None, :]
-    c = c_ptr + rm[:, None] * s_c + rn[None, :]
-    ok = (rm[:, None] < M) & (rn[None, :] < N)
-    if ATOMIC:
-        tl.atomic_add(c, acc, mask=ok, sem="relaxed")
-    else:
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok)
+    """`fp8_matmul_reference`'s contract for up to `SMALL_M` rows (`kernels.decode_gemm`: one
+    program per `block_n` output columns and `split_k`-th of K, all rows in one tile; split
+    products are summed in fp32, atomically, then cast)."""
+    return decode_gemm(qx, qw, out_dtype, (block_n, block_k, split_k, num_stages, num_warps),
+                       sx, sw)

@@ -19,7 +19,12 @@ benchmarks/results/cpu_linear.md):
 prefill step's) the plain GEMM is as fast or faster (the copy back of the transposed product
 costs more than it saves), so those take `F.linear`. One row is computed as two equal columns:
 the GEMM of two columns beats MKL's GEMV. The result is the same product, summed in a different
-order (last-bit differences). GPUs and other dtypes take `F.linear` (cuBLAS needs no help).
+order (last-bit differences). Other dtypes take `F.linear`.
+
+On CUDA, a product of up to `SMALL_M` rows captured into a decode graph takes
+`kernels.decode_gemm` where its shape reads the weights faster than cuBLAS
+(`bf16_decode_config`). Outside a
+graph (eager steps) cuBLAS's cheaper host launch wins, and keeps the product.
 """
 
 from __future__ import annotations
@@ -28,12 +33,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.decode_gemm import SMALL_M, bf16_decode_config, decode_gemm
+
 WEIGHT_FIRST_MAX_ROWS = 64  # 96-256 rows: weight-first 0.89-1.04x F.linear's speed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; on CPU in fp32, up to `WEIGHT_FIRST_MAX_ROWS` rows, computed
-    weight-first."""
+    weight-first; on CUDA, up to `SMALL_M` rows in a captured graph, by `decode_gemm`."""
+    if x.device.type == "cuda":
+        rows = x.reshape(-1, x.shape[-1])
+        config = bf16_decode_config(rows.shape[0], *weight.shape)
+        if (config is not None and rows.shape[0] <= SMALL_M and bias is None
+                and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+                and rows.is_contiguous() and weight.is_contiguous()
+                and torch.cuda.is_current_stream_capturing()):
+            y = decode_gemm(rows, weight, x.dtype, config)
+            return y.view(*x.shape[:-1], weight.shape[0])
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])

@@ -39,3 +39,44 @@ def test_other_dtypes_take_f_linear() -> None:
     w = torch.randn(8, 4, dtype=torch.bfloat16)
     x = torch.randn(2, 4, dtype=torch.bfloat16)
     assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("m, k, n, split_k", [(1, 256, 96, 1), (5, 300, 64, 3), (64, 512, 64, 2)])
+def test_decode_gemm_matches_f_linear(m: int, k: int, n: int, split_k: int) -> None:
+    """The decode-sized Triton product that captured CUDA graphs take for bf16 weights (ragged
+    K and N, split K summed atomically) against the fp32 product of the same bf16 values
+    (Triton on either device; the interpreter on CPU)."""
+    from kernels.decode_gemm import decode_gemm
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(dev, torch.bfloat16)
+    got = decode_gemm(x, w, torch.float32, (32, 64, split_k, 2, 4))
+    torch.testing.assert_close(got, F.linear(x.float(), w.float()), rtol=1e-4, atol=1e-3)
+    cast = decode_gemm(x, w, torch.bfloat16, (32, 64, split_k, 2, 4))
+    assert cast.dtype == torch.bfloat16
+    torch.testing.assert_close(cast.float(), got, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64, 65])
+def test_captured_decode_products_match_cublas(rows: int) -> None:
+    """In a captured CUDA graph, `linear` takes the decode-sized kernel up to 64 rows (Llama-3-8B's
+    `down` shape, whose configuration splits K) and gives cuBLAS's product to bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 14336, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, generator=g) / 64
+    out = torch.empty(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out.copy_(linear(x, w))  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(linear(x, w))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = F.linear(x, w).float()
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))

@@ -1,0 +1,76 @@
+"""The bf16 product at decode sizes: cuBLAS (`F.linear`) against `kernels.decode_gemm` over a
+grid of tiles (split K summed with atomics), on Llama-3-8B's four projections and its LM head;
+microseconds per product and the fraction of the copy bandwidth each reaches (weight bytes /
+time). `default` is `bf16_decode_config`'s choice (cuBLAS where it is None).
+
+Timed as the decode graph runs them (`fp8_gemm_tune.graph_us`: 8 products over 8 distinct
+weights in one CUDA graph, so none is served from L2). The FP8 weights' grid is
+`fp8_gemm_tune.py`'s.
+
+    python benchmarks/decode_gemm_tune.py --out decode_gemm.json [--rows 1 16 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from fp8_gemm_tune import SHAPES, WEIGHTS, graph_us
+from gpu_common import copy_bandwidth
+from triton.runtime.errors import OutOfResources
+
+from kernels.decode_gemm import bf16_decode_config, decode_gemm
+
+SHAPES_BF16 = {**SHAPES, "lm_head": (4096, 128256)}
+GRID = [c for c in itertools.product([32, 64, 128], [64, 128, 256], [1, 4], [3, 4, 5], [4])
+        if c[0] * c[1] <= 16384]
+
+
+def tune(m: int, k: int, n: int, ws: list, bw: float) -> dict:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.float(), ws[0].float())
+
+    def triton_us(config: tuple[int, ...]) -> float:
+        got = decode_gemm(x, ws[0], torch.bfloat16, config).float()
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+        return graph_us(lambda: [decode_gemm(x, w, torch.bfloat16, config) for w in ws])
+
+    config = bf16_decode_config(m, n, k)
+    row: dict = {"cublas": graph_us(lambda: [F.linear(x, w) for w in ws]), "grid": {}}
+    row["default"] = row["cublas"] if config is None else triton_us(config)
+    for config in GRID:
+        try:
+            row["grid"][str(config)] = triton_us(config)
+        except OutOfResources:
+            continue
+    best = min(row["grid"], key=row["grid"].get)
+    row["triton"], row["triton_config"] = row["grid"][best], best
+    row["fraction"] = {key: round(2 * n * k / (row[key] * 1e-6) / bw, 3)
+                       for key in ("cublas", "default", "triton")}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    res: dict = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "shapes": {}}
+    for name, (k, n) in SHAPES_BF16.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(WEIGHTS)]
+        for m in args.rows:
+            row = tune(m, k, n, ws, bw)
+            res["shapes"][f"{name}_m{m}"] = row
+            print(name, m, {key: row[key] for key in row if key != "grid"}, flush=True)
+            args.out.write_text(json.dumps(res, indent=2) + "\n")
+        del ws
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
