@@ -12,15 +12,11 @@ weights in one CUDA graph, so none is served from L2). The FP8 weights' grid is
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from fp8_gemm_tune import SHAPES, WEIGHTS, graph_us
-from gpu_common import copy_bandwidth
+from fp8_gemm_tune import SHAPES, graph_us, sweep
 from triton.runtime.errors import OutOfResources
 
 from kernels.decode_gemm import bf16_decode_config, decode_gemm
@@ -54,23 +50,5 @@ def tune(m: int, k: int, n: int, ws: list, bw: float) -> dict:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
-    args = ap.parse_args()
-    bw = copy_bandwidth()
-    res: dict = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "shapes": {}}
-    for name, (k, n) in SHAPES_BF16.items():
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(WEIGHTS)]
-        for m in args.rows:
-            row = tune(m, k, n, ws, bw)
-            res["shapes"][f"{name}_m{m}"] = row
-            print(name, m, {key: row[key] for key in row if key != "grid"}, flush=True)
-            args.out.write_text(json.dumps(res, indent=2) + "\n")
-        del ws
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
-    main()
+    sweep(SHAPES_BF16, tune)

@@ -54,9 +54,10 @@ def grid(m: int) -> list[tuple[int, int, int, int, int]]:
     return list(itertools.product([32, 64, 128], [256, 512], [1, 2, 4, 8], [4], [4]))
 
 
-def tune(m: int, k: int, n: int, ws: list, wb: list, bw: float) -> dict:
-    """One shape at `m` rows: ws the FP8 weights and scales, wb bf16 weights."""
+def tune(m: int, k: int, n: int, wb: list, bw: float) -> dict:
+    """One shape at `m` rows over the bf16 weights `wb` and their FP8 quantization."""
     bf16 = torch.bfloat16
+    ws = [quantize_weight(w) for w in wb]
     x = torch.randn(m, k, device="cuda", dtype=bf16)
     qx, sx = quantize_rows(x)
     ref = fp8_matmul_reference(qx, sx, *ws[0], torch.float32)
@@ -82,24 +83,27 @@ def tune(m: int, k: int, n: int, ws: list, wb: list, bw: float) -> dict:
     return row
 
 
-def main() -> None:
+def sweep(shapes: dict[str, tuple[int, int]],
+          tune_rows: Callable[[int, int, int, list[torch.Tensor], float], dict]) -> None:
+    """The command line of both tuners (`--out FILE [--rows ...]`): for each shape (K, N),
+    `WEIGHTS` bf16 weights, and `tune_rows(m, k, n, weights, copy rate)` at each row count;
+    the JSON rewritten after each."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     args = ap.parse_args()
     bw = copy_bandwidth()
     res: dict = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "shapes": {}}
-    for name, (k, n) in SHAPES.items():
+    for name, (k, n) in shapes.items():
         w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(WEIGHTS)]
-        ws = [quantize_weight(wi) for wi in w]
         for m in args.rows:
-            row = tune(m, k, n, ws, w, bw)
+            row = tune_rows(m, k, n, w, bw)
             res["shapes"][f"{name}_m{m}"] = row
             print(name, m, {key: row[key] for key in row if key != "grid"}, flush=True)
-        del w, ws
+            args.out.write_text(json.dumps(res, indent=2) + "\n")
+        del w
         torch.cuda.empty_cache()
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    sweep(SHAPES, tune)

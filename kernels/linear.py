@@ -23,8 +23,8 @@ order (last-bit differences). Other dtypes take `F.linear`.
 
 On CUDA, a product of up to `SMALL_M` rows captured into a decode graph takes
 `kernels.decode_gemm` where its shape reads the weights faster than cuBLAS
-(`bf16_decode_config`). Outside a
-graph (eager steps) cuBLAS's cheaper host launch wins, and keeps the product.
+(`bf16_decode_config`). Outside a graph (eager steps) cuBLAS's cheaper host launch wins, and
+keeps the product.
 """
 
 from __future__ import annotations
@@ -41,19 +41,16 @@ WEIGHT_FIRST_MAX_ROWS = 64  # 96-256 rows: weight-first 0.89-1.04x F.linear's sp
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; on CPU in fp32, up to `WEIGHT_FIRST_MAX_ROWS` rows, computed
     weight-first; on CUDA, up to `SMALL_M` rows in a captured graph, by `decode_gemm`."""
-    if x.device.type == "cuda":
-        rows = x.reshape(-1, x.shape[-1])
-        config = bf16_decode_config(rows.shape[0], *weight.shape)
-        if (config is not None and rows.shape[0] <= SMALL_M and bias is None
-                and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-                and rows.is_contiguous() and weight.is_contiguous()
-                and torch.cuda.is_current_stream_capturing()):
-            y = decode_gemm(rows, weight, x.dtype, config)
-            return y.view(*x.shape[:-1], weight.shape[0])
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
+    if (x.device.type == "cuda" and n <= SMALL_M and bias is None and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and rows.is_contiguous()
+            and weight.is_contiguous() and torch.cuda.is_current_stream_capturing()):
+        config = bf16_decode_config(n, *weight.shape)
+        if config is not None:
+            return decode_gemm(rows, weight, x.dtype, config).view(*x.shape[:-1], weight.shape[0])
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
     if n > WEIGHT_FIRST_MAX_ROWS:
         return F.linear(x, weight, bias)
     cols = rows.repeat(2, 1) if n == 1 else rows  # a two-column GEMM beats the GEMV
