@@ -265,3 +265,75 @@ def test_gpu_manager_admits_once_the_copy_has_landed():
     mgr.wait_for_copies()
     assert mgr.admit(lease) and lease.slot >= 0 and entry.active == 1
     assert not mgr.loading(lease)
+
+
+class CopyInFlight(LoraSlots):
+    """CPU slots whose loads land when `land()` says, as a GPU's copy stream's do (the copy
+    itself is the CPU's synchronous one): the window between a load and its first request's
+    admission that only a GPU has otherwise (`test_gpu_fresh_adapters_keep_their_slots`)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.in_flight: set[int] = set()
+
+    def load(self, slot: int, adapter: LoraAdapter, packed=None) -> None:
+        super().load(slot, adapter, packed)
+        self.in_flight.add(slot)
+
+    def ready(self, slot: int) -> bool:
+        return slot not in self.in_flight
+
+    def land(self) -> None:
+        self.in_flight.clear()
+
+
+def _manager_of(slots: LoraSlots, names: str) -> AdapterManager:
+    mgr = AdapterManager(BASE, slots, max_cpu_loras=8)
+    for seed, name in enumerate(names):
+        ad = adapter(8, ALL, seed)
+        mgr._registry[("t", name)] = entry = _entry_for(name, ad)
+        mgr._host_put(entry, ad, None)
+    return mgr
+
+
+def test_a_fresh_adapter_keeps_its_slot_until_its_request_is_admitted():
+    """Two slots, three adapters. a and b load for their waiting requests; once their copies
+    land, c's request (first in the queue, say) must not evict them before their own requests
+    are admitted: the loads would otherwise chase each other (2,036 loads for 512 requests on
+    an H200). Once a request is admitted or gone, its adapter is an ordinary idle one again."""
+    slots = CopyInFlight(BASE, num_slots=2, pool_rows=32, max_rank=16)
+    mgr = _manager_of(slots, "abc")
+    la, lb, lc = (mgr.attach("t", n) for n in "abc")
+    assert not mgr.admit(la) and not mgr.admit(lb)  # both copies in flight
+    slots.land()
+    assert not mgr.admit(lc) and not mgr.loading(lc)  # no room: a and b wait for their requests
+    assert mgr.admit(la) and mgr.admit(lb)
+    assert mgr.stats.loads["device"] == 2 and mgr.stats.evictions["device"] == 0
+    mgr.release(la)  # a is idle, admitted once since its load: c may take its slot
+    assert not mgr.admit(lc) and mgr.loading(lc)
+    assert mgr.stats.evictions["device"] == 1
+    mgr.release(lb)
+    lb2 = mgr.attach("t", "b")
+    mgr.release(lc)  # c's request went away before it ran: c waits for nobody now
+    slots.land()
+    assert mgr.admit(lb2) and mgr.stats.loads["device"] == 3  # b stayed
+    la2 = mgr.attach("t", "a")
+    assert not mgr.admit(la2) and mgr.stats.evictions["device"] == 2  # c's slot, not b's
+    mgr.release(la2)
+    mgr.release(la2)  # twice: counted once
+    assert mgr._registry[("t", "a")].waiting == 0
+
+
+@pytest.mark.gpu
+def test_gpu_fresh_adapters_keep_their_slots():
+    """As `test_a_fresh_adapter_keeps_its_slot_until_its_request_is_admitted`, with the real
+    copy stream: the copies of a and b queue behind 50 ms of work, land, and c's request
+    finds no slot to take."""
+    slots = LoraSlots(BASE, num_slots=2, pool_rows=32, max_rank=16, device="cuda")
+    mgr = _manager_of(slots, "abc")
+    la, lb, lc = (mgr.attach("t", n) for n in "abc")
+    torch.cuda._sleep(100_000_000)
+    assert not mgr.admit(la) and not mgr.admit(lb)
+    mgr.wait_for_copies()
+    assert not mgr.admit(lc) and not mgr.loading(lc)
+    assert mgr.admit(la) and mgr.admit(lb) and mgr.stats.loads["device"] == 2
