@@ -135,6 +135,9 @@ def main() -> None:
     results["serve_smoke"] = serve
     if run != set(PARTS) and args.out.is_file():
         results = merge(json.loads(args.out.read_text()), results, run)
+    elif run != set(PARTS):  # the first of a file's partial runs says which parts it holds
+        results["runs"] = [{"date": results["date"], "parts": sorted(run),
+                            "device": results["device"]}]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     table = render(results)
@@ -285,7 +288,7 @@ def render(r: dict) -> str:
     lines = [f"GPU suite: {r['device']}, {r['model']}, torch {r['torch']}, triton "
              f"{r['triton']}, transformers {r['transformers']}, {r['date']}, "
              f"{r['suite_seconds']} s{' (quick)' if r['quick'] else ''}",
-             *(f"Merged run {run['date']}: {', '.join(run['parts'])}"
+             *(f"Parts run {run['date']}: {', '.join(run['parts'])}"
                + (f" (on {run['device']})" if run.get("device") else "")
                for run in r.get("runs", [])),
              f"GPU tests: {r['gpu_tests'].get('status')} ({r['gpu_tests'].get('summary', '')})",
