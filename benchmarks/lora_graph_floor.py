@@ -16,6 +16,10 @@ One variant a process (the wrapper is patched before the graphs are captured):
     side_delta     shrink and expand on the side stream into a delta nobody adds: the
                    deferred expand (`LoraLinear.deferred`) at every size, its adds free
     defer=N        main with `lora.layers.DEFER_MAX_ROWS` = N
+    bgmv           main with BGMV in every LoRA decode graph (`lora.batch`'s
+                   `SEGMENTED_MAX_SEGMENTS` = 0), not the segmented kernel up to 32 adapters
+
+Variants combine with commas (`bgmv,defer=0`).
 
 `synthetic:llama3-8b` in bf16, 1,024-token prompts, rank-16 adapters on all 7 projections; a
 case `loraA_bB` is batch B over A adapters in turn, `base_bB` the same batch without. Figures:
@@ -33,6 +37,7 @@ import torch
 from gpu_common import greedy, random_prompts, write_adapter
 from gpu_profile import replay_ms
 
+import lora.batch
 import lora.layers
 import lora.slots
 from engine import LLM
@@ -91,8 +96,16 @@ def replay(llm: LLM, case: str) -> float:
     return round(ms, 3)
 
 
-def patch(variant: str) -> None:
-    """Change the LoRA wrapper as `variant` says (module docstring), before any capture."""
+def patch(variants: str) -> None:
+    """Change the LoRA wrapper as `variants` say (module docstring), before any capture."""
+    for variant in variants.split(","):
+        _patch(variant)
+
+
+def _patch(variant: str) -> None:
+    if variant == "bgmv":
+        lora.batch.SEGMENTED_MAX_SEGMENTS = 0
+        return
     if variant.startswith("defer="):
         lora.layers.DEFER_MAX_ROWS = int(variant.split("=")[1])
         return
