@@ -245,6 +245,13 @@ class AdapterManager:
         said no for that, not for want of room)."""
         return lease.slot < 0 and lease.entry.slot is not None
 
+    def resident(self, lease: Lease) -> bool:
+        """Whether the lease's adapter is in a device slot whose copy has landed: `admit` would
+        take no slot for it."""
+        with self._lock:
+            slot = lease.entry.slot
+            return slot is not None and self.slots is not None and self.slots.ready(slot)
+
     def release(self, lease: Lease) -> None:
         with self._lock:
             if lease not in self._leases:

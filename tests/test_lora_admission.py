@@ -12,12 +12,14 @@ from engine.sampling.params import SamplingParams
 
 
 class Adapters:
-    """Stands in for `lora.manager.AdapterManager`: `ready` names the resident adapters,
-    `copying` those on their way to the device."""
+    """Stands in for `lora.manager.AdapterManager`: `ready` names the adapters a request may
+    start with (resident, or loaded on asking), `copying` those on their way to the device,
+    `resident` those already in a slot with no request running."""
 
     def __init__(self) -> None:
         self.ready: set[str] = set()
         self.copying: set[str] = set()  # has a slot, its copy in flight
+        self.resident_idle: set[str] = set()
         self.asked: list[str] = []
 
     def can_admit(self, req: Request) -> bool:
@@ -26,6 +28,9 @@ class Adapters:
 
     def loading(self, req: Request) -> bool:
         return req.params.adapter in self.copying
+
+    def resident(self, req: Request) -> bool:
+        return req.params.adapter in self.resident_idle
 
 
 def req(rid: str, adapter: str | None = None) -> Request:
@@ -179,3 +184,23 @@ def test_a_request_whose_adapter_is_being_copied_holds_nobody():
     adapters.copying.clear()
     adapters.ready.add("x")
     assert ids(sched.schedule())[-1] == "x"
+
+
+def test_during_a_hold_requests_of_resident_adapters_still_start():
+    """An adapter loaded for requests that have not started keeps its slot until one does
+    (`lora.manager`), so a hold must let them start: v was loaded before x was held, and runs
+    nothing yet. Its request starts during the hold; w, in no slot, still waits, and the
+    drained y admits no more."""
+    adapters = Adapters()
+    adapters.ready.update({"y", "z", "v", "w"})
+    adapters.resident_idle.add("v")
+    sched = Scheduler(PageAllocator(64), 4, 16, 64, adapters=adapters, adapter_wait_s=0.0)
+    y1, z1, z2 = req("y1", "y"), req("z1", "z"), req("z2", "z")
+    for r in (y1, z1, z2):
+        sched.add(r)
+    sched.schedule()
+    for r in (req("x", "x"), req("y2", "y"), req("w1", "w"), req("v1", "v")):
+        sched.add(r)
+    assert ids(sched.schedule()) == ["y1", "z1", "z2", "v1"]
+    assert [r.request_id for r in sched.waiting] == ["x", "y2", "w1"]
+    assert "w1" not in adapters.asked and "y2" not in adapters.asked

@@ -57,6 +57,9 @@ class AdapterAdmission:
     def loading(self, req: Request) -> bool:
         return req.lora is not None and self.manager.loading(req.lora)
 
+    def resident(self, req: Request) -> bool:
+        return req.lora is not None and self.manager.resident(req.lora)
+
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):

@@ -82,6 +82,11 @@ class Admission(Protocol):
         has a slot, its copy to the device in flight), rather than waiting for room?"""
         ...
 
+    def resident(self, req: Request) -> bool:
+        """Is `req`'s adapter in a device slot, its copy landed: would admitting it take no
+        slot? (Asking changes nothing.)"""
+        ...
+
 
 class AdmitAll:
     def can_admit(self, req: Request) -> bool:
@@ -89,6 +94,9 @@ class AdmitAll:
 
     def loading(self, req: Request) -> bool:
         return False
+
+    def resident(self, req: Request) -> bool:
+        return True
 
 
 # A request kept waiting this long by its adapter (no room on the device while every resident
@@ -200,26 +208,32 @@ class Scheduler:
         room, but not for ever. Once a request has waited `adapter_wait_s` for room for its
         adapter while requests with adapters run, it is held for (one whose adapter is already
         being copied in waits for nobody): no other adapter takes a slot, and
-        the running adapter with the fewest running requests (`_undrained`) admits no more, so
+        the running adapter with the fewest running requests (`_drained`) admits no more, so
         its slot empties and the held request's adapter loads there (further slots drain, one
         a step, while its rows do not fit). The other running adapters keep admitting their
-        requests, and base-model requests still start. So no request waits for its adapter
-        more than `adapter_wait_s`, plus the remaining run of the drained adapters' requests,
-        plus its adapter's load, beyond first-come order."""
+        requests, as do adapters already resident (`Admission.resident`: an adapter loaded for
+        requests that have not started keeps its slot until one does, so they must be able to),
+        and base-model requests still start. So no request waits for its adapter more than
+        `adapter_wait_s`, plus the remaining run of the drained adapters' requests and of those
+        admitted to resident slots meanwhile, plus its adapter's load, beyond first-come
+        order."""
         now = time.monotonic()
         held: tuple[str, str] | None = None  # the adapter of such a request
-        live: set[tuple[str, str]] = set()  # the running adapters that keep admitting
+        running: set[tuple[str, str]] = set()  # the adapters running when it was held
+        drained: tuple[str, str] | None = None
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             adapter = _adapter(req)
-            if held is not None and adapter not in (None, held) and adapter not in live:
+            if held is not None and adapter not in (None, held) and (
+                    adapter == drained
+                    or adapter not in running and not self.adapters.resident(req)):
                 continue
             if not self._startable(req, batch):
                 if (held is None and adapter is not None and req.lora_waits
                         and now - req.added_at >= self.adapter_wait_s
                         and any(_adapter(r) is not None for r in self.running)):
-                    held, live = adapter, self._undrained()
+                    held, (running, drained) = adapter, self._drained()
                 continue
             self.cache.attach(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -238,14 +252,13 @@ class Scheduler:
             budget -= n
         return True
 
-    def _undrained(self) -> set[tuple[str, str]]:
-        """The running adapters but the one whose slot a held request takes: the one with the
+    def _drained(self) -> tuple[set[tuple[str, str]], tuple[str, str] | None]:
+        """The running adapters, and the one whose slot a held request takes: the one with the
         fewest running requests (the first to run out), ties to the one first in running
         order."""
         count: Counter[tuple[str, str]] = Counter(
             a for r in self.running if (a := _adapter(r)) is not None)
-        drained = min(count, key=count.__getitem__, default=None)
-        return count.keys() - {drained}
+        return set(count), min(count, key=count.__getitem__, default=None)
 
     def _startable(self, req: Request, batch: Batch) -> bool:
         """The per-request predicates: its grammar is ready, its cached prefix on the device
