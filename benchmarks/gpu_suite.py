@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -98,11 +99,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="short smoke run on the 1B preset")
     ap.add_argument("--model", default=None, help="default: synthetic:llama3-8b "
                     "(synthetic:llama3-1b with --quick)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "h100.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: results/<card>.json, e.g. h100.json or h200.json")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {PARTS}")
     args = ap.parse_args()
     run = set(args.parts.split(","))
+    if args.out is None:
+        import torch
+
+        args.out = HERE / "results" / f"{machine_name(torch.cuda.get_device_name())}.json"
     if args.skip_tests:
         run.discard("tests")
     model = args.model or ("synthetic:llama3-1b" if args.quick else "synthetic:llama3-8b")
@@ -262,6 +268,14 @@ def collect(model, sections, tests, workers, seconds, quick) -> dict:
     res["sections"] = sections
     res["suite_seconds"] = round(seconds, 1)
     return res
+
+
+def machine_name(device_name: str) -> str:
+    """A results file's stem for a card: "NVIDIA H100 80GB HBM3" -> "h100"."""
+    model = re.search(r"\b[A-Z]{1,2}\d{2,4}[A-Za-z]*\b", device_name)
+    if model is not None:
+        return model.group(0).lower()
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "gpu"
 
 
 def merge(old: dict, new: dict, run: set[str]) -> dict:

@@ -1,6 +1,7 @@
 """LoRA prefill against the base model on a CUDA device (issue #37 item 4):
 `python benchmarks/lora_prefill.py --out sections.jsonl [--sweep] [--sections engine kernels]`
-(`benchmarks/gpu_suite.py --parts lora_prefill` runs it into `h100.json`).
+(`benchmarks/gpu_suite.py --parts lora_prefill` runs it into the card's results file,
+`h100.json` or `h200.json`).
 
 engine   64 prompts of 2,048 tokens, one output token each, through the offline engine at
          the GPU defaults: prompt tokens/s with 8 adapters (rank 16 on all 7 projections, one
