@@ -44,6 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 from urllib.parse import quote, unquote
 
 import torch
@@ -240,17 +241,15 @@ class AdapterManager:
                 self._host.move_to_end(entry)
             return True
 
-    def loading(self, lease: Lease) -> bool:
-        """Whether the lease's adapter has a device slot its copy has not reached yet (`admit`
-        said no for that, not for want of room)."""
-        return lease.slot < 0 and lease.entry.slot is not None
-
-    def resident(self, lease: Lease) -> bool:
-        """Whether the lease's adapter is in a device slot whose copy has landed: `admit` would
-        take no slot for it."""
+    def placed(self, lease: Lease) -> Literal["none", "copying", "ready"]:
+        """Where the lease's adapter stands on the device: in no slot, in one its copy has not
+        reached yet (`admit` says no for that, not for want of room), or in one it has
+        (`admit` takes no slot for it)."""
         with self._lock:
             slot = lease.entry.slot
-            return slot is not None and self.slots is not None and self.slots.ready(slot)
+            if slot is None or self.slots is None:
+                return "none"
+            return "ready" if self.slots.ready(slot) else "copying"
 
     def release(self, lease: Lease) -> None:
         with self._lock:

@@ -261,10 +261,10 @@ def test_gpu_manager_admits_once_the_copy_has_landed():
     lease = mgr.attach("t", "a")
     torch.cuda._sleep(100_000_000)  # the copy queues behind this
     assert not mgr.admit(lease) and lease.slot < 0 and entry.active == 0
-    assert mgr.num_resident["device"] == 1 and mgr.loading(lease)  # its copy in flight
+    assert mgr.num_resident["device"] == 1 and mgr.placed(lease) == "copying"  # its copy in flight
     mgr.wait_for_copies()
     assert mgr.admit(lease) and lease.slot >= 0 and entry.active == 1
-    assert not mgr.loading(lease)
+    assert mgr.placed(lease) == "ready"
 
 
 class CopyInFlight(LoraSlots):
@@ -306,11 +306,11 @@ def test_a_fresh_adapter_keeps_its_slot_until_its_request_is_admitted():
     la, lb, lc = (mgr.attach("t", n) for n in "abc")
     assert not mgr.admit(la) and not mgr.admit(lb)  # both copies in flight
     slots.land()
-    assert not mgr.admit(lc) and not mgr.loading(lc)  # no room: a and b wait for their requests
+    assert not mgr.admit(lc) and mgr.placed(lc) == "none"  # a and b wait for their requests
     assert mgr.admit(la) and mgr.admit(lb)
     assert mgr.stats.loads["device"] == 2 and mgr.stats.evictions["device"] == 0
     mgr.release(la)  # a is idle, admitted once since its load: c may take its slot
-    assert not mgr.admit(lc) and mgr.loading(lc)
+    assert not mgr.admit(lc) and mgr.placed(lc) == "copying"
     assert mgr.stats.evictions["device"] == 1
     mgr.release(lb)
     lb2 = mgr.attach("t", "b")
@@ -335,5 +335,5 @@ def test_gpu_fresh_adapters_keep_their_slots():
     torch.cuda._sleep(100_000_000)
     assert not mgr.admit(la) and not mgr.admit(lb)
     mgr.wait_for_copies()
-    assert not mgr.admit(lc) and not mgr.loading(lc)
+    assert not mgr.admit(lc) and mgr.placed(lc) == "none"
     assert mgr.admit(la) and mgr.admit(lb) and mgr.stats.loads["device"] == 2

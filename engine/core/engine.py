@@ -55,10 +55,10 @@ class AdapterAdmission:
         return req.lora is None or self.manager.admit(req.lora)
 
     def loading(self, req: Request) -> bool:
-        return req.lora is not None and self.manager.loading(req.lora)
+        return req.lora is not None and self.manager.placed(req.lora) == "copying"
 
     def resident(self, req: Request) -> bool:
-        return req.lora is not None and self.manager.resident(req.lora)
+        return req.lora is not None and self.manager.placed(req.lora) == "ready"
 
 
 class LLMEngine:
