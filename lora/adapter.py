@@ -120,9 +120,12 @@ def check_gain(m: ModuleTensors, a: torch.Tensor, b: torch.Tensor, scale: float)
     Args:
         a: [rank, in_features]; b: [out_features, rank].
     """
-    a_gain = max_row_sum(a)
-    gain = max(a_gain, abs(scale) * max_row_sum(b) * a_gain)
     limit = gain_limit(a.dtype)
+    a_gain = max_row_sum(a, torch.float32)  # an fp32 sum overflows only far past the limit
+    if max(a_gain, abs(scale) * max_row_sum(b, torch.float32) * a_gain) <= limit:
+        return None
+    a_gain = max_row_sum(a)  # the message's figure, exact
+    gain = max(a_gain, abs(scale) * max_row_sum(b) * a_gain)
     if gain <= limit:
         return None
     a_max, b_max = a.abs().max().item(), b.abs().max().item()
@@ -132,10 +135,18 @@ def check_gain(m: ModuleTensors, a: torch.Tensor, b: torch.Tensor, scale: float)
             f"{limit:.3g} stays finite")
 
 
-def max_row_sum(t: torch.Tensor) -> float:
+def max_row_sum(t: torch.Tensor, dtype: torch.dtype = torch.float64) -> float:
     """The largest row sum of magnitudes of a 2-D tensor (its infinity norm), summed in
-    float64: 3e38 weights never overflow the sum."""
-    return t.abs().sum(dim=1, dtype=torch.float64).max().item()
+    `dtype`: in float64, 3e38 weights never overflow the sum; in float32 (5x faster on a CPU)
+    it is inf for sums past 3.4e38."""
+    return t.abs().sum(dim=1, dtype=dtype).max().item()
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether no element is NaN or infinite: the largest magnitude is finite (the max
+    reduction propagates NaN). 2-7x faster than `torch.isfinite(t).all()` on a CPU, which
+    counts in an upload of hundreds of MB of weights."""
+    return t.numel() == 0 or bool(torch.isfinite(t.abs().amax()))
 
 
 def load_adapter(
@@ -208,7 +219,7 @@ def load_adapter(
     except OSError as e:
         raise AdapterError(name, [*problems, str(e)]) from None
     for key, t in tensors.items():
-        if not torch.isfinite(t).all():
+        if not all_finite(t):
             problems.append(f"{weights.name}: tensor {key!r} contains NaN or Inf")
     if problems:
         raise AdapterError(name, problems)
@@ -222,7 +233,8 @@ def load_adapter(
         scale = settings.scale(m.path)
         ratio = scale / settings.default_scale
         # A slot holds A and B times the scaling ratio (lora/slots.py), in the serving dtype.
-        if not (torch.isfinite(a).all() and torch.isfinite(b * ratio).all()):
+        # |b| * ratio rounds up monotonically: only its largest element can overflow first.
+        if not (all_finite(a) and all_finite(b.abs().amax() * ratio)):
             problems.append(f"{weights.name}: {m.path}: lora_A, or lora_B times its scaling "
                             f"ratio {ratio:g}, overflows {a.dtype}")
         elif (problem := check_gain(m, a, b, scale)) is not None:

@@ -16,7 +16,7 @@ import torch
 from safetensors.numpy import save
 from safetensors.torch import load_file, save_file
 
-from lora.adapter import AdapterError, gain_limit, load_adapter, max_row_sum
+from lora.adapter import AdapterError, all_finite, gain_limit, load_adapter, max_row_sum
 from tests import lora_files as lf
 from tests.conftest import GatewayServer
 from tests.test_hostile_uploads import SMOLLM2, store_files
@@ -135,3 +135,21 @@ def test_the_bound_follows_the_serving_dtype(tmp_path: Path, value: float,
     if value == 1e3:
         for dtype in (torch.float32, torch.bfloat16):
             load_adapter(tmp_path, SMOLLM2, max_rank=16, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_finds_every_nan_and_inf(dtype: torch.dtype) -> None:
+    """`all_finite` (the largest magnitude; the max reduction propagates NaN) agrees with
+    `torch.isfinite` wherever a NaN or an infinity sits: the vectorized lanes, the tail, a
+    transposed view."""
+    g = torch.Generator().manual_seed(0)
+    assert all_finite(torch.empty(0, 4, dtype=dtype))
+    for shape in ((16, 14336), (14336, 16), (7, 33), (1, 1)):
+        n = shape[0] * shape[1]
+        t = torch.randn(shape, generator=g).to(dtype)
+        assert all_finite(t) and all_finite(t.t())
+        for pos in sorted({0, 1, 15, 16, 31, 32, 63, 64, n // 2, n - 2, n - 1} & set(range(n))):
+            for v in (float("nan"), float("inf"), -float("inf")):
+                bad = t.clone()
+                bad.view(-1)[pos] = v
+                assert not all_finite(bad) and not all_finite(bad.t()), (shape, pos, v)

@@ -43,6 +43,7 @@ from lora.quota import AdapterQuota, QuotaExceeded
 log = logging.getLogger(__name__)
 
 MAX_FILES = 16
+CHUNK = 4 << 20  # bytes of the body handed to the multipart parser at a time
 
 
 def adapter_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
@@ -132,7 +133,7 @@ async def _store(
     try:
         for filename, upload in files:
             with (staging / filename).open("wb") as out:
-                await asyncio.to_thread(shutil.copyfileobj, upload.file, out)
+                await asyncio.to_thread(shutil.copyfileobj, upload.file, out, CHUNK)
         blobs = {f: (staging / f).read_bytes() for f, _ in files} if version else {}
         info = await asyncio.to_thread(functools.partial(manager.add, tenant, name, staging,
                                                          move=True, version=version))
@@ -229,12 +230,19 @@ async def _read_form(request: Request, limit: int) -> tuple[str, list[tuple[str,
         raise too_large(limit)
 
     async def capped() -> AsyncGenerator[bytes, None]:
-        size = 0
+        # The server's chunks (64 KB and less) gathered to `CHUNK`: the parser writes a file
+        # part past its first MB to disk in a thread, one thread hop per chunk it is given.
+        size, buf = 0, bytearray()
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)
-            yield chunk
+            buf += chunk
+            if len(buf) >= CHUNK:
+                yield bytes(buf)
+                buf.clear()
+        if buf:
+            yield bytes(buf)
 
     parser = MultiPartParser(request.headers, capped(), max_files=MAX_FILES, max_fields=4)
     try:
