@@ -171,9 +171,16 @@ class GrammarStage:
                 fill(bitmask, row)
             except Exception as e:  # noqa: BLE001 - fails this row's request, not the batch
                 errors[row] = f"the grammar backend failed: {type(e).__name__}: {e}"
-                continue
-            if not bitmask[row].any():  # compile-time probes make this rare; never sample it
-                errors[row] = "the grammar allows no next token: the output cannot be completed"
+        # A row that allows nothing (compile-time probes make this rare) is never sampled.
+        # One check over the filled rows, not one per row: at 64 rows a step that was 0.6 ms
+        # of this thread's time, holding the GIL between ops.
+        filled = [row for row, _ in fillers if row not in errors]
+        if filled:
+            allows = bitmask.index_select(0, torch.tensor(filled)).any(dim=1).tolist()
+            for row, ok in zip(filled, allows, strict=True):
+                if not ok:
+                    errors[row] = ("the grammar allows no next token: the output cannot be "
+                                   "completed")
         return bitmask, rows, errors
 
     @staticmethod
