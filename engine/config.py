@@ -147,6 +147,19 @@ def default_cache_dir() -> Path:
     return Path(base) / "switchboard"
 
 
+def host_available_bytes() -> int:
+    """Host memory available to a new allocation now: Linux's MemAvailable (what can be had
+    without swapping, reclaimable caches included), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def publish_dir(tmp: Path, out: Path, done: str) -> None:
     """Move the finished folder `tmp` to `out` in one rename, so a half-written folder is never
     picked up. Processes that build the same cache entry at once (servers and test workers
@@ -227,8 +240,12 @@ class EngineConfig(BaseModel):
         None, ge=0, help="LoRA adapters resident on the device at once (0: base model only; "
         "default: 4 on a CPU, on a GPU one per 8 rows of the adapter pool, at most 512)")
     max_cpu_loras: int | None = setting(
-        None, ge=0, help="LoRA adapters cached in host memory (default: 16, at least "
-        "--max-loras)")
+        None, ge=0, help="LoRA adapters cached in host memory, at least --max-loras (default: "
+        "16 on a CPU; on a GPU as many as --cpu-lora-cache-gb holds)")
+    cpu_lora_cache_gb: float | None = setting(
+        None, gt=0, metavar="GB", help="host memory the adapter cache may hold, the validated "
+        "adapters and on a GPU their pinned copies for the device (default: on a GPU a quarter "
+        "of the host memory available at start; on a CPU only --max-cpu-loras bounds it)")
     max_lora_rank: int = setting(
         128, ge=1, le=512, metavar="R", help="largest adapter rank served")
     lora_pool_rows: int | None = setting(
@@ -317,18 +334,29 @@ class EngineConfig(BaseModel):
         settled = self.model_copy(update={"device": device, "dtype": dtype})
         return settled, "; ".join(why)
 
-    def resolve(self, model: ModelConfig, device: str,
-                memory: tuple[int, int] | None = None) -> tuple[ResolvedConfig, str]:
+    def resolve(self, model: ModelConfig, device: str, memory: tuple[int, int] | None = None,
+                host_available: int | None = None) -> tuple[ResolvedConfig, str]:
         """This config with every "auto" setting settled for `model` on `device` (a device
         type: "cpu", "cuda"), and a line saying what the memory sizing chose ("" when none ran).
         `memory`: on a GPU, its (total, free) bytes once the weights are loaded; the adapter
-        pool and the KV cache are then fitted in `gpu_memory_utilization`. The engine calls it
-        once, after loading the model, and reads only the settled config."""
+        pool and the KV cache are then fitted in `gpu_memory_utilization`. `host_available`:
+        the host memory available now (read from the system when None), of which the adapter
+        host cache takes a quarter on a GPU. The engine calls it once, after loading the model,
+        and reads only the settled config."""
         on_cuda = device == "cuda"
         seqs = self.max_num_seqs or (256 if on_cuda else 64)
         tokens = self.max_num_batched_tokens or (8192 if on_cuda else 512)
         loras, rows, kv_bytes, why = self._fit(model, memory, seqs, tokens)
         num_pages = self.num_pages or max(1, kv_bytes // self._page_bytes(model))
+        cpu_loras: int | None = max(self.max_cpu_loras or 16, loras)
+        cpu_lora_gb = self.cpu_lora_cache_gb
+        if memory is not None:  # a GPU: the host cache is bounded by bytes, not by a count
+            cpu_loras = None if self.max_cpu_loras is None else max(self.max_cpu_loras, loras)
+            if cpu_lora_gb is None:
+                available = host_available_bytes() if host_available is None else host_available
+                cpu_lora_gb = available / 4 / 2**30
+                why += (f"; adapter host cache {cpu_lora_gb:.1f} GiB (a quarter of the "
+                        f"{available / 2**30:.1f} GiB of host memory available)")
         if why:
             why += (f"; KV cache {kv_bytes / 2**30:.1f} GiB ({num_pages:,} pages of "
                     f"{self.page_size} tokens)")
@@ -337,7 +365,8 @@ class EngineConfig(BaseModel):
             "max_num_seqs": seqs,
             "max_num_batched_tokens": tokens,
             "max_loras": loras,
-            "max_cpu_loras": max(self.max_cpu_loras or 16, loras),
+            "max_cpu_loras": cpu_loras,
+            "cpu_lora_cache_gb": cpu_lora_gb,
             "lora_pool_rows": rows,
             "num_pages": num_pages,
             "max_model_len": min(self.max_model_len or model.max_position,
@@ -445,7 +474,7 @@ class ResolvedConfig(EngineConfig):
     max_num_seqs: int
     max_num_batched_tokens: int
     max_loras: int
-    max_cpu_loras: int
+    max_cpu_loras: int | None  # None: only cpu_lora_cache_gb bounds the host cache (a GPU)
     lora_pool_rows: int
     num_pages: int
     max_model_len: int

@@ -2,7 +2,8 @@
 
     device  `LoraSlots`: up to `max_loras` adapters in the pools the forward reads, each in
             rows of its own rank;
-    host    up to `max_cpu_loras` validated `LoraAdapter`s in memory (LRU);
+    host    validated `LoraAdapter`s in memory, LRU, up to `max_cpu_loras` of them and
+            `max_cpu_bytes` of their tensors (either bound None: none);
     disk    the adapter's folder: the store directory (uploads) or the caller's own path.
 
 A request's adapter, from the engine thread, through a `Lease` (the manager never sees the
@@ -85,6 +86,7 @@ class _Entry:
     active: int = 0  # admitted requests using the slot (pins it)
     waiting: int = 0  # attached requests not admitted yet
     fresh: bool = False  # loaded into its slot, no request admitted since (`_make_room`)
+    host_bytes: int = 0  # what its host tier holds: the adapter's tensors and packed copy
 
 
 @dataclass(eq=False)
@@ -108,15 +110,18 @@ class AdapterManager:
         self,
         base: BaseShape,
         slots: LoraSlots | None,
-        max_cpu_loras: int,
+        max_cpu_loras: int | None,
         store_dir: Path | None = None,
         dtype: torch.dtype | None = None,
+        max_cpu_bytes: int | None = None,
     ) -> None:
         """`slots=None` serves the base model only (`--max-loras 0`): adapters are refused."""
         self.base, self.slots, self.store_dir, self.dtype = base, slots, store_dir, dtype
         self.max_loras = slots.num_slots if slots is not None else 0
         self.max_rank = slots.max_rank if slots is not None else 0
-        self.max_cpu_loras = max(max_cpu_loras, self.max_loras)
+        self.max_cpu_loras = (None if max_cpu_loras is None
+                              else max(max_cpu_loras, self.max_loras))
+        self.max_cpu_bytes = max_cpu_bytes
         self.stats = AdapterStats()
         self._lock = threading.RLock()
         self._registry: dict[tuple[str, str], _Entry] = {}
@@ -369,15 +374,22 @@ class AdapterManager:
 
     def _host_put(self, entry: _Entry, adapter: LoraAdapter,
                   packed: PackedAdapter | None) -> None:
+        """Cache `entry` in host memory, evicting the least recently used unpinned others
+        while the tier holds more than `max_cpu_loras` adapters or `max_cpu_bytes`."""
         entry.adapter, entry.packed = adapter, packed
+        entry.host_bytes = adapter.num_bytes + (packed.num_bytes if packed is not None else 0)
         self._host[entry] = None
         self._host.move_to_end(entry)
         self.stats.loads["host"] += 1
-        while len(self._host) > self.max_cpu_loras:
-            victim = next((e for e in self._host if not e.pinned and e is not entry), None)
+        count, held = len(self._host), sum(e.host_bytes for e in self._host)
+        victims = (e for e in list(self._host) if not e.pinned and e is not entry)
+        while ((self.max_cpu_loras is not None and count > self.max_cpu_loras)
+               or (self.max_cpu_bytes is not None and held > self.max_cpu_bytes)):
+            victim = next(victims, None)
             if victim is None:
                 break
             del self._host[victim]
+            count, held = count - 1, held - victim.host_bytes
             victim.adapter = victim.packed = None
             self.stats.evictions["host"] += 1
 

@@ -71,6 +71,10 @@ class PackedAdapter:
     def ranks(self) -> dict[str, int]:
         return {fused: a.shape[1] for fused, a in self.a.items()}
 
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
 
 @dataclass
 class _Copy:

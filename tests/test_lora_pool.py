@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, ModelConfig, ModelLoadError
-from lora.adapter import LoraAdapter, LoraModule
+from lora.adapter import LoraAdapter, LoraModule, load_adapter
 from lora.manager import AdapterManager
 from lora.slots import FUSED_INDEX, LoraSlots, RowAllocator, projection_ranks
 from lora.validate import projection_dims
+from tests import lora_files as lf
+from tests.test_hostile_uploads import SMOLLM2
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,46 @@ def test_gpu_memory_is_shared_by_the_adapter_pool_and_the_kv_cache():
                             kv_cache_gb=10).resolve(LLAMA3_8B, "cuda", (total, free))
     assert (given.max_loras, given.lora_pool_rows) == (16, 512)
     assert given.num_pages == 10 * GIB // base._page_bytes(LLAMA3_8B)
+
+
+def test_the_adapter_host_cache_fits_the_host_memory():
+    """On a GPU the host cache is bounded by bytes, a quarter of the host memory available at
+    start, and by no count unless --max-cpu-loras is given; a CPU keeps its 16 adapters."""
+    gpu = (80 * GIB, 64 * GIB)
+    cfg, why = EngineConfig(device="cuda", dtype="bfloat16").resolve(
+        LLAMA3_8B, "cuda", gpu, host_available=100 * GIB)
+    assert (cfg.max_cpu_loras, cfg.cpu_lora_cache_gb) == (None, 25.0)
+    assert "adapter host cache 25.0 GiB (a quarter of the 100.0 GiB of host memory" in why
+    given, _ = EngineConfig(device="cuda", dtype="bfloat16", max_cpu_loras=40,
+                            cpu_lora_cache_gb=3).resolve(LLAMA3_8B, "cuda", gpu)
+    assert (given.max_cpu_loras, given.cpu_lora_cache_gb) == (max(40, given.max_loras), 3)
+    cpu, _ = EngineConfig(device="cpu", dtype="float32").resolve(LLAMA3_8B, "cpu")
+    assert (cpu.max_cpu_loras, cpu.cpu_lora_cache_gb) == (16, None)
+
+
+def test_the_host_cache_evicts_by_bytes(tmp_path: Path):
+    """A host tier of 2.5 adapters' bytes and no count bound: four uploads leave the two least
+    recently used in their folders only; a request for one reads it back, and the least
+    recently used of the others leaves in turn."""
+    def upload(name: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        for file, data in lf.adapter():
+            (folder / file).write_bytes(data)
+        return folder
+
+    one = load_adapter(upload("probe"), SMOLLM2, max_rank=8).num_bytes
+    mgr = AdapterManager(SMOLLM2, LoraSlots(SMOLLM2, num_slots=1, pool_rows=8, max_rank=8),
+                         None, max_cpu_bytes=int(2.5 * one))
+    for name in "abcd":
+        mgr.add("t", name, upload(name))
+    assert [a.tier for a in mgr.list("t")] == ["disk", "disk", "host", "host"]
+    lease = mgr.attach("t", "a")
+    assert not mgr.admit(lease)  # read from its folder in the background
+    mgr.wait_for_loads(30)
+    assert mgr.admit(lease)
+    assert [a.tier for a in mgr.list("t")] == ["device", "disk", "disk", "host"]
+    assert (mgr.stats.loads["host"], mgr.stats.evictions["host"]) == (5, 3)
 
 
 def test_too_little_gpu_memory_is_a_clear_error():

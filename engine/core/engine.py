@@ -132,7 +132,9 @@ class LLMEngine:
             slots = SentSlots(self.model.local_cfg, *lora, part.cut_lora, tp=tp)
         elif cfg.max_loras:
             slots = LoraSlots(mc, *lora)
-        self.adapters = AdapterManager(mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype)
+        self.adapters = AdapterManager(
+            mc, slots, cfg.max_cpu_loras, cfg.adapter_dir, dtype,
+            None if cfg.cpu_lora_cache_gb is None else int(cfg.cpu_lora_cache_gb * 2**30))
         self.runner = build_runner(self.model, cfg, sorted(self.eos_token_ids), slots, tp,
                                    self.grammar)
         if speculator is not None and cfg.overlap_schedule:
