@@ -25,10 +25,12 @@ import asyncio
 import json
 import random
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -51,20 +53,29 @@ WORDS = ("agent tool call result file line error test build deploy cache token m
          "value field index report retry limit config path module class method").split()
 
 
+# Random numbers the adapters' tensors are cut from, at random offsets: drawing 100 GB of
+# normals for a thousand 8B adapters would take the client longer than the run.
+NORMALS = np.random.default_rng(0).standard_normal(2**24).astype(np.float16)
+
+
 def write_adapter(folder: Path, base: ModelConfig, rank: int, targets: list[str],
                   seed: int) -> None:
-    """A random PEFT LoRA of `rank` on `targets`, in PEFT's file layout."""
+    """A random PEFT LoRA of `rank` on `targets`, in PEFT's file layout (float16, as PEFT
+    saves a half-precision fine-tune)."""
     rng = np.random.default_rng(seed)
     tensors = {}
     dims = projection_dims(base)
+
+    def normal(rows: int, cols: int, scale: float) -> np.ndarray:
+        start = int(rng.integers(0, NORMALS.size - rows * cols))
+        return (NORMALS[start : start + rows * cols] * np.float16(scale)).reshape(rows, cols)
+
     for i in range(base.num_layers):
         for proj in targets:
             fan_in, fan_out = dims[proj]
             key = f"base_model.model.model.layers.{i}.{'self_attn' if proj in ATTN else 'mlp'}"
-            tensors[f"{key}.{proj}.lora_A.weight"] = (
-                rng.standard_normal((rank, fan_in)) / fan_in**0.5).astype(np.float32)
-            tensors[f"{key}.{proj}.lora_B.weight"] = (
-                rng.standard_normal((fan_out, rank)) * 0.01).astype(np.float32)
+            tensors[f"{key}.{proj}.lora_A.weight"] = normal(rank, fan_in, fan_in**-0.5)
+            tensors[f"{key}.{proj}.lora_B.weight"] = normal(fan_out, rank, 0.01)
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
@@ -92,6 +103,14 @@ def workload(adapters: list[tuple[str, str]], n: int, seed: int, scale: float,
 
 async def chat(client: httpx.AsyncClient, model: str, tenant: str, text: str,
                max_tokens: int) -> dict:
+    try:
+        return await _chat(client, model, tenant, text, max_tokens)
+    except httpx.HTTPError as e:  # counted, as a status error is: the run goes on
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+async def _chat(client: httpx.AsyncClient, model: str, tenant: str, text: str,
+                max_tokens: int) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.8, "top_p": 0.95,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": text}]}
@@ -169,6 +188,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of each traffic")
     ap.add_argument("--base-share", type=float, default=0.2)
     ap.add_argument("--scale", type=float, default=0.25, help="prompt and output lengths")
+    ap.add_argument("--upload-clients", type=int, default=4,
+                    help="adapters written and uploaded at once")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -177,10 +198,17 @@ def main() -> None:
     tenants = [f"t{i}" for i in range(args.tenants)]
     (tmp / "keys.json").write_text(json.dumps({f"sk-{t}": t for t in tenants}))
     adapters = [(tenants[i % args.tenants], f"a{i}") for i in range(args.adapters)]
-    folders = {}
-    for i, (_, name) in enumerate(adapters):
-        folders[name] = tmp / name
+
+    def write_and_upload(url: str, i: int) -> int:
+        """One adapter's folder written, uploaded, and deleted (the server keeps its copy):
+        the client's disk holds a few adapters at a time, not a thousand."""
+        tenant, name = adapters[i]
         write_adapter(tmp / name, base, RANKS[i % len(RANKS)], ATTN if i % 2 else ALL, i)
+        upload(url, tenant, name, tmp / name)
+        size = sum(f.stat().st_size for f in (tmp / name).iterdir())
+        shutil.rmtree(tmp / name)
+        return size
+
     per_tenant = -(-args.adapters // args.tenants)
     flags = ["--model", args.model, "--api-keys", str(tmp / "keys.json"), "--public-metrics",
              "--adapter-dir", str(tmp / "store"), "--max-adapters-per-tenant",
@@ -188,10 +216,13 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"lora": [], "base": []}
     with Server(flags, api_key=f"sk-{tenants[0]}") as srv:
         t = time.perf_counter()
-        for tenant, name in adapters:
-            upload(srv.url, tenant, name, folders[name])
+        # In order, a few at a time: the first ones are the coldest (`cold_start`).
+        with ThreadPoolExecutor(args.upload_clients) as pool:
+            uploaded = sum(pool.map(lambda i: write_and_upload(srv.url, i),
+                                    range(args.adapters)))
         upload_s = time.perf_counter() - t
-        print(f"uploaded {args.adapters} adapters in {upload_s:.1f} s", flush=True)
+        print(f"uploaded {args.adapters} adapters ({uploaded / 1e9:.1f} GB) in {upload_s:.1f} s",
+              flush=True)
         # Popularity: the last uploaded are the hottest (the first ones have left the host
         # cache since, and stay cold for `cold_start`).
         hot = adapters[::-1]
@@ -210,8 +241,10 @@ def main() -> None:
                 print(name, {k: round(v, 3) for k, v in res.items()}, flush=True)
         cold = cold_start(srv.url, adapters[:5], args.scale)  # uploaded first: cold
         print(cold, flush=True)
-        resident = {k: v for k, v in srv.metrics().items()
-                    if k.startswith("switchboard_adapter")}
+        metrics = srv.metrics()
+        resident = {k: v for k, v in metrics.items() if k.startswith("switchboard_adapter")}
+        print({k: v for k, v in metrics.items() if k.startswith("switchboard_connections")},
+              flush=True)
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])
@@ -230,8 +263,9 @@ def main() -> None:
                      f"| {med(name, 'ttft_p99_s'):.3f} |")
     lines += ["", f"- `lora_zipf{args.adapters}_vs_base` = **{ratio:.3f}** (output tokens/s); "
               f"TTFT p99 {ttft99:.2f}x the base run's; {errors} errors.",
-              f"- Upload of {args.adapters} adapters: {upload_s:.1f} s "
-              f"({upload_s / args.adapters * 1e3:.0f} ms each).",
+              f"- Upload of {args.adapters} adapters ({uploaded / 1e9:.1f} GB of files, "
+              f"written and uploaded by {args.upload_clients} clients at once): {upload_s:.1f} s "
+              f"({uploaded / upload_s / 1e6:.0f} MB/s).",
               f"- `adapter_cold_ttft_ms` = **{cold['adapter_cold_ttft_ms']}** (median over 5 "
               f"adapters of cold minus warm; cold {cold['cold_ttft_ms']} ms, warm "
               f"{cold['warm_ttft_ms']} ms).",

@@ -119,6 +119,11 @@ class ServeConfig(EngineConfig):
         "to stay below the open-file limit); beyond it a new connection takes the place of the "
         "one that has waited longest for its headers, or gets a 503 when every connection has a "
         "request in flight")
+    keep_alive_timeout: float = setting(
+        ConnectionLimits.keep_alive_timeout, gt=0, metavar="SECONDS", help="an idle keep-alive "
+        "connection is closed after this long without a request (longer than clients keep "
+        "theirs, 5 s for httpx and the openai SDK, so that none sends a request on a connection "
+        "being closed; at --max-connections idle ones are the first to go)")
     max_stream_buffer_bytes: int = setting(
         2 * 2**20, ge=4096, metavar="BYTES", help="output a request may hold for a client that "
         "does not read it (about the bytes of its SSE events); past it the request is aborted "
@@ -217,7 +222,7 @@ class ServeConfig(EngineConfig):
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(self.header_timeout, self.body_timeout, self.body_min_rate,
-                                self.max_connections)
+                                self.max_connections, self.keep_alive_timeout)
 
     def engine_config(self) -> EngineConfig:
         """The engine's part of this config. A server always has an upload store: under the

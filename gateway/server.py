@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import socket
 import threading
 import time
@@ -115,11 +116,12 @@ class GuardedProtocol(HttpToolsProtocol):
             self._await_next()
 
     def _await_next(self) -> None:
-        """Idle between requests: first to go at the cap, and closed by uvicorn's keep-alive
-        timeout (or the header deadline, if shorter) unless a request begins."""
+        """Idle between requests: first to go at the cap, and closed after
+        `keep_alive_timeout` unless a request begins (its first byte starts the header
+        deadline)."""
         self.idle = True
         self._enter("waiting")
-        self._arm(self.limits.header_timeout, self._headers_late)
+        self._arm(self.limits.keep_alive_timeout, self._idle_expired)
 
     # -- deadlines --------------------------------------------------------------------------
 
@@ -128,6 +130,11 @@ class GuardedProtocol(HttpToolsProtocol):
         self.guard.dropped["header_timeout"] += 1
         self.guard.remove(self)
         _close(self.transport, None if self.idle or not self._answering_nothing else LATE)
+
+    def _idle_expired(self) -> None:
+        self.timer = None
+        self.guard.remove(self)
+        _close(self.transport, None)
 
     def _body_late(self) -> None:
         self.timer = None
@@ -186,8 +193,11 @@ class ServerThread:
         self.connections = connections or Connections(ConnectionLimits())
         self.connections.fit_fd_limit(BACKLOG)
         protocol = functools.partial(GuardedProtocol, guard=self.connections)  # called as a class
+        # uvicorn's own keep-alive timer (whole seconds) never fires before the protocol's.
+        keep_alive = math.ceil(self.connections.limits.keep_alive_timeout) + 1
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=5, backlog=BACKLOG, ws="none",
+                                timeout_keep_alive=keep_alive,
                                 http=protocol)  # type: ignore[arg-type]
         self.server = uvicorn.Server(config)
         self.host = host

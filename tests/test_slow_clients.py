@@ -6,6 +6,7 @@ stall are cut at their deadlines, connections beyond the cap take the stalest pl
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -16,9 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.access.connections import ConnectionLimits
 from tests.conftest import GatewayServer, busy_pages, read_metrics, serve
 
 DEADLINE_S = 2.0  # --header-timeout and --body-timeout
+KEEP_ALIVE_S = 3.0  # --keep-alive-timeout
 CAP = 32  # --max-connections
 STREAM_BUFFER = 16384  # --max-stream-buffer-bytes
 HEALTH_S = 1.0  # the slowest /health answer allowed
@@ -29,7 +32,8 @@ REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
     with serve(tmp_path_factory.mktemp("slow"), "--header-timeout", str(DEADLINE_S),
-               "--body-timeout", str(DEADLINE_S), "--max-connections", str(CAP),
+               "--body-timeout", str(DEADLINE_S), "--keep-alive-timeout", str(KEEP_ALIVE_S),
+               "--max-connections", str(CAP),
                "--max-stream-buffer-bytes", str(STREAM_BUFFER)) as s:
         yield s
 
@@ -79,6 +83,26 @@ def test_stalled_headers_and_bodies_are_cut_at_their_deadlines(server: GatewaySe
     assert _read_all(s) == b""  # the app had the request: it hears of a disconnect
     assert DEADLINE_S - 0.1 < time.monotonic() - t < DEADLINE_S + 3
     assert _dropped(server, "body_timeout") >= 1
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(server: GatewayServer) -> None:
+    """A keep-alive connection idle past the header deadline still takes the next request
+    (clients reuse theirs for up to 5 s: a server closing one first races their next request,
+    which then reads a reset); idle past --keep-alive-timeout, the server closes it, and that
+    is no dropped connection. The default outlasts httpx's (and the openai SDK's) idle expiry."""
+    assert ConnectionLimits().keep_alive_timeout > httpx.Limits().keepalive_expiry
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    late = _dropped(server, "header_timeout")
+    for idle in (0.0, DEADLINE_S + 0.5):
+        time.sleep(idle)
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        assert r.status == 200 and r.read()
+    t = time.monotonic()
+    assert conn.sock.recv(1) == b""  # closed by the server, unprompted
+    assert KEEP_ALIVE_S - 0.1 < time.monotonic() - t < KEEP_ALIVE_S + 3
+    assert _dropped(server, "header_timeout") == late
 
 
 def test_a_flood_beyond_the_cap_takes_the_stalest_places(server: GatewayServer) -> None:

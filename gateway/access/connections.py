@@ -4,7 +4,10 @@ to every HTTP connection, kept apart from it so that they read (and test) alone.
 A connection is `waiting` (for a request's headers, or idle between keep-alive requests),
 `receiving` (a request's body) or `busy` (its request is being answered). Waiting and
 receiving have deadlines: the headers within `header_timeout`, the body within `body_timeout`
-plus one second per `body_min_rate` bytes it carries. At `max_connections`, a new connection
+plus one second per `body_min_rate` bytes it carries; an idle connection stays open
+`keep_alive_timeout`, longer than clients keep theirs (httpx and the openai SDK drop an idle
+connection after 5 s): a server that closes first races the client's next request on that
+connection, and the client reads a reset. At `max_connections`, a new connection
 takes the place of the one that has waited longest for its headers (else of the oldest one
 still sending its body), which is closed; only when every connection is busy is the new one
 refused, with a 503. Busy connections are few, since admission answers a request beyond the
@@ -42,6 +45,7 @@ class ConnectionLimits:
     body_timeout: float = 30.0
     body_min_rate: int = 16 * 1024  # bytes/s
     max_connections: int = 65536
+    keep_alive_timeout: float = 75.0
 
 
 class Conn(Protocol):
