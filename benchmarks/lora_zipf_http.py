@@ -150,6 +150,25 @@ async def one_round(url: str, base_model: str, work, clients: int, on_base: bool
             "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99)}
 
 
+# What the engine did in a round (deltas of /metrics), to tell why one traffic ran faster.
+ENGINE_SERIES = ("switchboard_engine_steps", "switchboard_engine_step_seconds",
+                 "switchboard_engine_loop_seconds", "switchboard_prefix_cache_hit_tokens",
+                 "switchboard_prefix_cache_miss_tokens", "switchboard_preemptions")
+
+
+def engine_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The series of `ENGINE_SERIES` that moved, as {series without the prefix: change}, and
+    the mean step time by kind (ms)."""
+    out = {k.removeprefix("switchboard_"): round(v - before.get(k, 0.0), 3)
+           for k, v in after.items() if k.startswith(ENGINE_SERIES) and v != before.get(k)}
+    for key, n in list(out.items()):
+        if key.startswith("engine_steps_total") and n:
+            kind = key.removeprefix("engine_steps_total")
+            out[f"step_ms{kind}"] = round(out.get(f"engine_step_seconds_total{kind}", 0.0)
+                                          / n * 1e3, 2)
+    return out
+
+
 def upload(url: str, tenant: str, name: str, folder: Path) -> None:
     files = [("files", (p.name, p.read_bytes())) for p in sorted(folder.iterdir())]
     r = httpx.post(url + "/v1/adapters", data={"name": name}, files=files, timeout=300,
@@ -235,10 +254,12 @@ def main() -> None:
             for k, name in enumerate(order):
                 work = workload(hot, args.requests, seed=2 * r + k, scale=args.scale,
                                 base_share=args.base_share)
+                before = srv.metrics()
                 res = asyncio.run(one_round(srv.url, srv.model, work, args.clients,
                                             on_base=name == "base"))
                 runs[name].append(res)
                 print(name, {k: round(v, 3) for k, v in res.items()}, flush=True)
+                print("  engine:", engine_deltas(before, srv.metrics()), flush=True)
         cold = cold_start(srv.url, adapters[:5], args.scale)  # uploaded first: cold
         print(cold, flush=True)
         metrics = srv.metrics()
