@@ -2,7 +2,8 @@
 
     device  `LoraSlots`: up to `max_loras` adapters in the pools the forward reads, each in
             rows of its own rank;
-    host    validated `LoraAdapter`s in memory, LRU, up to `max_cpu_loras` of them and
+    host    validated adapters in memory, as the device pools lay them out
+            (`PackedAdapter`, pinned on a GPU), LRU, up to `max_cpu_loras` of them and
             `max_cpu_bytes` of their tensors (either bound None: none);
     disk    the adapter's folder: the store directory (uploads) or the caller's own path.
 
@@ -27,8 +28,9 @@ them, so one slot always rotates). `add` / `remove` / `get` / `list` come from o
 (the gateway);
 one lock guards all state. A device load starts only on the engine thread, inside `admit`,
 that is between forwards; on a GPU it copies asynchronously from the pinned layout the loader
-thread made (`LoraSlots.pack`), and its requests are admitted once it has landed. So the host
-tier holds each adapter twice on a GPU: as validated, and packed.
+thread made (`LoraSlots.pack`), and its requests are admitted once it has landed. The host tier
+holds that layout only; under tensor parallelism also the validated adapter, which the workers
+cut their shards from.
 """
 
 from __future__ import annotations
@@ -79,14 +81,13 @@ class _Entry:
     version: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     removed: bool = False
-    adapter: LoraAdapter | None = None  # host tier
-    packed: PackedAdapter | None = None  # host tier, laid out for the device copy (GPU only)
-    loading: Future[tuple[LoraAdapter, PackedAdapter | None]] | None = None  # disk -> host
+    packed: PackedAdapter | None = None  # host tier, laid out for the device copy
+    loading: Future[tuple[LoraAdapter, PackedAdapter]] | None = None  # disk -> host
     slot: int | None = None  # device tier
     active: int = 0  # admitted requests using the slot (pins it)
     waiting: int = 0  # attached requests not admitted yet
     fresh: bool = False  # loaded into its slot, no request admitted since (`_make_room`)
-    host_bytes: int = 0  # what its host tier holds: the adapter's tensors and packed copy
+    host_bytes: int = 0  # what its host tier holds (`PackedAdapter.host_bytes`)
 
 
 @dataclass(eq=False)
@@ -169,7 +170,7 @@ class AdapterManager:
             entry = _entry(tenant, name, folder, owned, adapter, pin, uid)
             entry.version = version
             self._registry[(tenant, name)] = entry
-            self._host_put(entry, adapter, packed)
+            self._host_put(entry, packed)
             return self._info(entry)
 
     def remove(self, tenant: str, name: str) -> bool:
@@ -181,7 +182,7 @@ class AdapterManager:
                 return False
             entry.removed = True
             self._host.pop(entry, None)
-            entry.adapter = entry.packed = None
+            entry.packed = None
             if entry.owned:
                 shutil.rmtree(entry.path, ignore_errors=True)
             for lease in self._leases:
@@ -242,7 +243,7 @@ class AdapterManager:
             entry.fresh = False
             lease.slot = entry.slot  # type: ignore[assignment]
             self._slot_lru.move_to_end(entry.slot)  # type: ignore[arg-type]
-            if entry.adapter is not None:
+            if entry.packed is not None:
                 self._host.move_to_end(entry)
             return True
 
@@ -303,7 +304,7 @@ class AdapterManager:
     def _make_resident(self, entry: _Entry) -> bool:
         """Try to put `entry` into a device slot now; start a disk read if it is not in host
         memory. True when it is resident."""
-        if entry.adapter is None:
+        if entry.packed is None:
             if entry.loading is None:
                 entry.loading = self._pool.submit(self._read, entry.path, entry.name)
                 return False
@@ -311,21 +312,21 @@ class AdapterManager:
                 return False
             future, entry.loading = entry.loading, None
             try:
-                self._host_put(entry, *future.result())
+                self._host_put(entry, future.result()[1])
             except Exception as e:  # noqa: BLE001 - any failure fails its requests
                 problems = e.problems if isinstance(e, AdapterError) else [str(e)]
                 self._fail_waiting(entry, f"can no longer be loaded: {'; '.join(problems)}")
                 return False
-        assert self.slots is not None and entry.adapter is not None
-        slot = self._make_room(entry.adapter)
+        assert self.slots is not None and entry.packed is not None
+        slot = self._make_room(entry.packed)
         if slot is None:
             return False
         try:
-            self.slots.load(slot, entry.adapter, entry.packed)
+            self.slots.load(slot, entry.packed)
         except Exception as e:  # noqa: BLE001 - one adapter's failure fails its requests only
             self.slots.clear(slot)
             self._host.pop(entry, None)  # its next use reads (and validates) the folder again
-            entry.adapter = entry.packed = None
+            entry.packed = None
             self._fail_waiting(entry, f"could not be loaded into a device slot: {e}")
             return False
         self._owner[slot], entry.slot = entry, slot
@@ -340,7 +341,7 @@ class AdapterManager:
         log.warning("%s (tenant %r)", why, entry.tenant)
         self._failed += [(lease, why) for lease in self._leases if lease.entry is entry]
 
-    def _make_room(self, adapter: LoraAdapter) -> int | None:
+    def _make_room(self, adapter: PackedAdapter) -> int | None:
         """An empty slot, with free rows for `adapter` in the pools, evicting the least recently
         used adapters nobody pins until both are there; None when they never will be.
 
@@ -372,12 +373,10 @@ class AdapterManager:
         if not old.removed:
             self.stats.evictions["device"] += 1
 
-    def _host_put(self, entry: _Entry, adapter: LoraAdapter,
-                  packed: PackedAdapter | None) -> None:
+    def _host_put(self, entry: _Entry, packed: PackedAdapter) -> None:
         """Cache `entry` in host memory, evicting the least recently used unpinned others
         while the tier holds more than `max_cpu_loras` adapters or `max_cpu_bytes`."""
-        entry.adapter, entry.packed = adapter, packed
-        entry.host_bytes = adapter.num_bytes + (packed.num_bytes if packed is not None else 0)
+        entry.packed, entry.host_bytes = packed, packed.host_bytes
         self._host[entry] = None
         self._host.move_to_end(entry)
         self.stats.loads["host"] += 1
@@ -390,19 +389,20 @@ class AdapterManager:
                 break
             del self._host[victim]
             count, held = count - 1, held - victim.host_bytes
-            victim.adapter = victim.packed = None
+            victim.packed = None
             self.stats.evictions["host"] += 1
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _read(self, path: Path, name: str) -> tuple[LoraAdapter, PackedAdapter | None]:
-        """disk -> host: read and validate, and on a GPU lay it out for the device copy (runs
-        in the loader thread or the caller's)."""
+    def _read(self, path: Path, name: str) -> tuple[LoraAdapter, PackedAdapter]:
+        """disk -> host: read and validate, and lay it out for the device copy (runs in the
+        loader thread or the caller's). The host tier keeps the layout; the validated adapter
+        gives the registry its facts."""
         if self.slots is None:
             raise AdapterError(name, ["LoRA is disabled on this server (--max-loras 0)"])
         adapter = load_adapter(path, self.base, max_rank=self.max_rank, name=name,
                                dtype=self.dtype)
-        return adapter, self.slots.pack(adapter) if self.slots.copy_stream is not None else None
+        return adapter, self.slots.pack(adapter)
 
     def _store_path(self, tenant: str, name: str) -> Path:
         if self.store_dir is None:
@@ -425,10 +425,10 @@ class AdapterManager:
             entry = _entry(tenant, folder.name, folder, True, adapter, False,
                            content_uid(folder))
             self._registry[(tenant, folder.name)] = entry
-            self._host_put(entry, adapter, packed)
+            self._host_put(entry, packed)
 
     def _info(self, e: _Entry) -> AdapterInfo:
-        tier = "device" if e.slot is not None else "host" if e.adapter is not None else "disk"
+        tier = "device" if e.slot is not None else "host" if e.packed is not None else "disk"
         return AdapterInfo(e.name, e.tenant, e.rank, e.target_modules, e.num_bytes,
                            e.stored_bytes, e.created, e.pinned, tier, e.version)
 

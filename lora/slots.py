@@ -18,7 +18,8 @@ all layers. The kernels read an adapter's own rows only (`kernels.sgmv`), so the
 may hold anything.
 
 Loading: `pack` lays an adapter out as the pools hold it (on a GPU in pinned host memory, done
-off the engine thread by the manager's loader), and `load` copies it into its rows. On a GPU
+off the engine thread by the manager's loader; the manager's host tier keeps it so), and `load`
+copies it into its rows. On a GPU
 that copy runs on a copy stream, behind the steps already queued (which may still read rows an
 evicted adapter left) and beside the ones after: no step waits for it. `ready(slot)` says
 when it has landed; the slot table names the adapter only from then.
@@ -61,19 +62,25 @@ class PackedAdapter:
     """An adapter in the pools' layout, on the host: for each fused projection it targets,
     `a[fused]` [layers, rank, slices, in_features] and `b[fused]` [layers, rank, out_features]
     (lora_B^T, each module's scale relative to `scale` folded in; what a slice lacks is zeros),
-    `rank` that projection's largest over its slices."""
+    `rank` that projection's largest over its slices. `source`: the validated adapter it was
+    packed from, kept only where loading needs it too (`LoraSlots.keeps_source`)."""
 
+    name: str
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
     scale: float
+    source: LoraAdapter | None = None
 
     @property
     def ranks(self) -> dict[str, int]:
         return {fused: a.shape[1] for fused, a in self.a.items()}
 
     @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+    def host_bytes(self) -> int:
+        """What it holds in host memory, its source's tensors included."""
+        packed = (*self.a.values(), *self.b.values())
+        return (sum(t.numel() * t.element_size() for t in packed)
+                + (self.source.num_bytes if self.source is not None else 0))
 
 
 @dataclass
@@ -150,6 +157,8 @@ class LoraSlots:
     """The device pools and the slot table; the adapter manager decides which adapter sits in
     which slot, this class where its rows go."""
 
+    keeps_source = False  # whether `load` needs the validated adapter beside the packed one
+
     def __init__(
         self,
         base: BaseShape,
@@ -194,30 +203,30 @@ class LoraSlots:
         self._rows = {fused: RowAllocator(pool_rows) for fused in FUSED}
         self._placed: dict[int, dict[str, tuple[int, int]]] = {}  # slot -> fused -> rows
 
-    def fits(self, adapter: LoraAdapter) -> bool:
+    def fits(self, adapter: LoraAdapter | PackedAdapter) -> bool:
         """Whether `adapter` can be loaded now without evicting anything."""
-        return all(self._rows[f].fits(r) for f, r in projection_ranks(adapter).items() if r)
+        ranks = adapter.ranks if isinstance(adapter, PackedAdapter) else projection_ranks(adapter)
+        return all(self._rows[f].fits(r) for f, r in ranks.items() if r)
 
-    def load(self, slot: int, adapter: LoraAdapter, packed: PackedAdapter | None = None) -> None:
-        """Place a validated adapter in free rows and copy it into `slot` (empty, or whatever
-        it held is cleared first); `packed` is `pack(adapter)` when the caller has it. On a GPU
-        the copy is asynchronous: the slot serves once `ready(slot)`. Raises ValueError when
-        its rows do not fit now."""
-        if adapter.rank > self.max_rank:
-            raise ValueError(f"adapter rank {adapter.rank} exceeds the max LoRA rank "
-                             f"{self.max_rank}")
-        if len(adapter.layers) != len(self.layers):
-            raise ValueError("adapter was validated against a different base model")
+    def load(self, slot: int, adapter: LoraAdapter | PackedAdapter) -> None:
+        """Place an adapter (validated, or as `pack` laid it out) in free rows and copy it into
+        `slot` (empty, or whatever it held is cleared first). On a GPU the copy is
+        asynchronous: the slot serves once `ready(slot)`. Raises ValueError when its rows do
+        not fit now."""
+        packed = adapter if isinstance(adapter, PackedAdapter) else self.pack(adapter)
+        rank = max(packed.ranks.values(), default=0)
+        if rank > self.max_rank:
+            raise ValueError(f"adapter rank {rank} exceeds the max LoRA rank {self.max_rank}")
+        if any(a.shape[0] != len(self.layers) for a in packed.a.values()):
+            raise ValueError("adapter was packed for a different base model")
         self.clear(slot)
         placed: dict[str, tuple[int, int]] = {}
         try:
-            for fused, rank in projection_ranks(adapter).items():
-                if rank:
-                    start = self._rows[fused].allocate(rank)
-                    if start is None:
-                        raise ValueError(f"no {rank} free rows in the {fused} adapter pool")
-                    placed[fused] = (start, rank)
-            packed = packed or self.pack(adapter)
+            for fused, rank in packed.ranks.items():
+                start = self._rows[fused].allocate(rank)
+                if start is None:
+                    raise ValueError(f"no {rank} free rows in the {fused} adapter pool")
+                placed[fused] = (start, rank)
             if self.copy_stream is None:
                 self._write(slot, packed, placed)
             else:
@@ -265,7 +274,10 @@ class LoraSlots:
 
     def pack(self, adapter: LoraAdapter) -> PackedAdapter:
         """`adapter` in the pools' layout and dtype (this rank's shard of it under tensor
-        parallelism), in pinned memory on a GPU: the host half of `load`, for any thread."""
+        parallelism), in pinned memory on a GPU: the host half of `load`, for any thread.
+        Raises ValueError for an adapter of another base model's depth."""
+        if len(adapter.layers) != len(self.layers):
+            raise ValueError("adapter was validated against a different base model")
         layer0, pin = self.layers[0], self.copy_stream is not None
         a: dict[str, torch.Tensor] = {}
         b: dict[str, torch.Tensor] = {}
@@ -288,7 +300,8 @@ class LoraSlots:
                         b[fused][i, : m.rank, col : col + width].copy_(
                             (mb * (m.scale / adapter.scale)).T)
                     col += width
-        return PackedAdapter(a, b, adapter.scale)
+        return PackedAdapter(adapter.name, a, b, adapter.scale,
+                             adapter if self.keeps_source else None)
 
     def _copy(self, packed: PackedAdapter, rows: dict[str, tuple[int, int]]) -> None:
         """Packed weights into their pool rows, every layer (asynchronous from pinned memory)."""

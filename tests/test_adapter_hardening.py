@@ -122,10 +122,10 @@ def _raising_slot_copy(llm: LLM, tmp: Path, good: Path, monkeypatch: pytest.Monk
     llm.load_adapter("boom", shutil.copytree(good, tmp / "boom"))
     load = LoraSlots.load
 
-    def failing(self: LoraSlots, slot: int, adapter, packed=None) -> None:  # noqa: ANN001
+    def failing(self: LoraSlots, slot: int, adapter) -> None:  # noqa: ANN001
         if adapter.name == "boom":
             raise RuntimeError("CUDA error: out of memory")
-        load(self, slot, adapter, packed)
+        load(self, slot, adapter)
 
     monkeypatch.setattr(LoraSlots, "load", failing)
 

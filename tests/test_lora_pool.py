@@ -14,7 +14,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig, ModelLoadError
 from lora.adapter import LoraAdapter, LoraModule, load_adapter
 from lora.manager import AdapterManager
-from lora.slots import FUSED_INDEX, LoraSlots, RowAllocator, projection_ranks
+from lora.slots import FUSED_INDEX, LoraSlots, PackedAdapter, RowAllocator, projection_ranks
 from lora.validate import projection_dims
 from tests import lora_files as lf
 from tests.test_hostile_uploads import SMOLLM2
@@ -139,7 +139,7 @@ def test_manager_evicts_idle_adapters_until_rows_fit(tmp_path: Path):
     for name, ad in (("a", adapter(8, ALL, 1)), ("b", adapter(16, ALL, 2)),
                      ("big", adapter(32, ALL, 3))):
         mgr._registry[("t", name)] = entry = _entry_for(name, ad)
-        mgr._host_put(entry, ad, None)
+        mgr._host_put(entry, slots.pack(ad))
     a, b, big = (mgr.attach("t", n) for n in ("a", "b", "big"))
     assert mgr.admit(a) and mgr.admit(b)
     assert mgr.num_resident["device"] == 2
@@ -237,9 +237,9 @@ def test_the_host_cache_evicts_by_bytes(tmp_path: Path):
             (folder / file).write_bytes(data)
         return folder
 
-    one = load_adapter(upload("probe"), SMOLLM2, max_rank=8).num_bytes
-    mgr = AdapterManager(SMOLLM2, LoraSlots(SMOLLM2, num_slots=1, pool_rows=8, max_rank=8),
-                         None, max_cpu_bytes=int(2.5 * one))
+    slots = LoraSlots(SMOLLM2, num_slots=1, pool_rows=8, max_rank=8)
+    one = slots.pack(load_adapter(upload("probe"), SMOLLM2, max_rank=8)).host_bytes
+    mgr = AdapterManager(SMOLLM2, slots, None, max_cpu_bytes=int(2.5 * one))
     for name in "abcd":
         mgr.add("t", name, upload(name))
     assert [a.tier for a in mgr.list("t")] == ["disk", "disk", "host", "host"]
@@ -249,6 +249,32 @@ def test_the_host_cache_evicts_by_bytes(tmp_path: Path):
     assert mgr.admit(lease)
     assert [a.tier for a in mgr.list("t")] == ["device", "disk", "disk", "host"]
     assert (mgr.stats.loads["host"], mgr.stats.evictions["host"]) == (5, 3)
+
+
+def test_the_host_tier_holds_each_adapter_once():
+    """The host tier keeps an adapter as the pools lay it out, not the validated tensors too
+    (slots that need those to load, as tensor parallelism's do, keep them as its source); a
+    device load copies from that layout what `load` of the validated adapter copies."""
+    ad = adapter(16, ALL, 5)
+    slots = LoraSlots(BASE, num_slots=2, pool_rows=32, max_rank=16)
+    mgr = AdapterManager(BASE, slots, max_cpu_loras=4)
+    mgr._registry[("t", "a")] = entry = _entry_for("a", ad)
+    mgr._host_put(entry, slots.pack(ad))
+    assert entry.packed is not None and entry.packed.source is None
+    packed_bytes = sum(t.numel() * t.element_size()
+                       for t in (*entry.packed.a.values(), *entry.packed.b.values()))
+    assert entry.host_bytes == packed_bytes
+    assert mgr.admit(mgr.attach("t", "a"))
+    ref = LoraSlots(BASE, num_slots=2, pool_rows=32, max_rank=16)
+    ref.load(entry.slot, ad)
+    for got, want in zip(_pools(slots), _pools(ref), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    class Sourced(LoraSlots):
+        keeps_source = True
+
+    kept = Sourced(BASE, num_slots=2, pool_rows=32, max_rank=16).pack(ad)
+    assert kept.source is ad and kept.host_bytes == packed_bytes + ad.num_bytes
 
 
 def test_too_little_gpu_memory_is_a_clear_error():
@@ -275,7 +301,7 @@ def test_gpu_load_copies_on_a_stream_behind_the_queued_steps():
     old, new = adapter(16, ALL, 1), adapter(16, ALL, 2, ranks={"k_proj": 8})
     packed = slots.pack(old)
     assert all(t.is_pinned() for t in (*packed.a.values(), *packed.b.values()))
-    slots.load(0, old, packed)
+    slots.load(0, packed)
     slots.wait()
     rows = slots.placement(0)["qkv_proj"]
     pool = slots.layers[1]["qkv_proj"].a
@@ -299,7 +325,7 @@ def test_gpu_manager_admits_once_the_copy_has_landed():
     mgr = AdapterManager(BASE, slots, max_cpu_loras=4)
     ad = adapter(16, ALL, 3)
     mgr._registry[("t", "a")] = entry = _entry_for("a", ad)
-    mgr._host_put(entry, ad, slots.pack(ad))
+    mgr._host_put(entry, slots.pack(ad))
     lease = mgr.attach("t", "a")
     torch.cuda._sleep(100_000_000)  # the copy queues behind this
     assert not mgr.admit(lease) and lease.slot < 0 and entry.active == 0
@@ -318,8 +344,8 @@ class CopyInFlight(LoraSlots):
         super().__init__(*args, **kw)
         self.in_flight: set[int] = set()
 
-    def load(self, slot: int, adapter: LoraAdapter, packed=None) -> None:
-        super().load(slot, adapter, packed)
+    def load(self, slot: int, adapter: LoraAdapter | PackedAdapter) -> None:
+        super().load(slot, adapter)
         self.in_flight.add(slot)
 
     def ready(self, slot: int) -> bool:
@@ -334,7 +360,7 @@ def _manager_of(slots: LoraSlots, names: str) -> AdapterManager:
     for seed, name in enumerate(names):
         ad = adapter(8, ALL, seed)
         mgr._registry[("t", name)] = entry = _entry_for(name, ad)
-        mgr._host_put(entry, ad, None)
+        mgr._host_put(entry, slots.pack(ad))
     return mgr
 
 

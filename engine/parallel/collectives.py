@@ -295,6 +295,10 @@ class SentSlots(LoraSlots):
         super().__init__(*args, **kwargs)
         self.tp = tp
 
-    def load(self, slot: int, adapter: LoraAdapter, packed: PackedAdapter | None = None) -> None:
-        super().load(slot, adapter, packed)
-        self.tp.send(LoadSlot(slot, adapter, self.placement(slot)))
+    keeps_source = True  # the workers cut their shards from the whole adapter
+
+    def load(self, slot: int, adapter: LoraAdapter | PackedAdapter) -> None:
+        packed = adapter if isinstance(adapter, PackedAdapter) else self.pack(adapter)
+        assert packed.source is not None
+        super().load(slot, packed)
+        self.tp.send(LoadSlot(slot, packed.source, self.placement(slot)))
