@@ -42,9 +42,8 @@ CURL = shutil.which("curl")
 def make(folder: Path, base: ModelConfig, rank: int, seed: int, dtype: torch.dtype) -> float:
     """Write the adapter; its size in MB."""
     write_adapter(folder, base, rank, ALL, seed)
-    weights = folder / "adapter_model.safetensors"
-    if dtype != torch.float32:
-        save_file({k: v.to(dtype) for k, v in load_file(weights).items()}, str(weights))
+    weights = folder / "adapter_model.safetensors"  # written in float16: re-saved in `dtype`
+    save_file({k: v.to(dtype) for k, v in load_file(weights).items()}, str(weights))
     return sum(p.stat().st_size for p in folder.iterdir()) / 1e6
 
 

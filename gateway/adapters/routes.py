@@ -2,10 +2,11 @@
 
 Upload is a multipart form: field `name` and the PEFT folder's files as repeated `files` parts
 (`curl -F name=support-bot -F files=@adapter_config.json -F files=@adapter_model.safetensors`).
-The body is streamed under `--max-adapter-bytes` (413 beyond), checked against the tenant's
-quota (adapters and bytes stored; 403 beyond), the parts written to a staging folder inside
-the store, and the folder validated by the engine's adapter manager off the event loop; only a
-valid adapter is moved into the store and registered. A bad one answers 400 naming every
+The body is streamed under `--max-adapter-bytes` (413 beyond), its parts written as they arrive
+into a staging folder inside the store (gateway/adapters/form.py), checked against the
+tenant's quota (adapters and bytes stored; 403 beyond), and the folder validated by the
+engine's adapter manager off the event loop; only a valid adapter is moved into the store and
+registered. A bad one answers 400 naming every
 problem and leaves nothing behind; the tenant's other adapters are untouched. A tenant's
 uploads run one at a time, so that concurrent ones cannot pass its quota together. The served
 model's name is reserved: as `model` it names the base model.
@@ -24,16 +25,16 @@ import functools
 import logging
 import shutil
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
 
 from engine.protocols import AdapterExists, AdapterInfo, AdapterRegistry
 from gateway.access.auth import Authenticate
+from gateway.adapters.form import StagedForm
 from gateway.adapters.shared import SharedAdapters, exists, invalid, over_quota, staging_dir
 from gateway.adapters.store import new_version
 from gateway.errors import APIError, bad_request, clip, model_not_found, too_large
@@ -42,8 +43,6 @@ from lora.quota import AdapterQuota, QuotaExceeded
 
 log = logging.getLogger(__name__)
 
-MAX_FILES = 16
-CHUNK = 4 << 20  # bytes of the body handed to the multipart parser at a time
 
 
 def adapter_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
@@ -56,7 +55,15 @@ def adapter_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
     @router.post("/v1/adapters")
     async def upload(request: Request, tenant: str = Depends(authenticate)) -> dict[str, object]:
         manager = require_manager(rt)
-        name, files = await _read_form(request, rt.config.max_adapter_bytes)
+        staging = staging_dir(manager)
+        try:
+            name, sizes = await _read_form(request, rt.config.max_adapter_bytes, staging)
+            return await _register(manager, tenant, name, staging, sum(sizes.values()))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    async def _register(manager: AdapterRegistry, tenant: str, name: str, staging: Path,
+                        size: int) -> dict[str, object]:
         shared = rt.shared_adapters
         lock = shared.lock(tenant, name) if shared else contextlib.nullcontext()
         try:
@@ -73,9 +80,9 @@ def adapter_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
                 else:
                     stored = manager.list(tenant)
                     count, used = len(stored), sum(a.stored_bytes for a in stored)
-                quota.check(count, used, sum(upload.size or 0 for _, upload in files))
+                quota.check(count, used, size)
                 version = new_version() if shared else ""
-                info, blobs = await _store(manager, tenant, name, files, version)
+                info, blobs = await _store(manager, tenant, name, staging, version)
                 obj = adapter_object(info, base)
                 # Another replica's upload may have taken the name or the quota meanwhile.
                 if shared and not await _publish(shared, manager, tenant, name, obj, blobs, quota,
@@ -84,9 +91,6 @@ def adapter_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
             return obj
         except QuotaExceeded as e:
             raise over_quota(e) from None
-        finally:
-            for _, upload in files:
-                await upload.close()
 
     @router.get("/v1/adapters")
     async def list_adapters(tenant: str = Depends(authenticate)) -> dict[str, object]:
@@ -123,26 +127,20 @@ def adapter_routes(rt: Runtime, authenticate: Authenticate) -> APIRouter:
 
 
 async def _store(
-    manager: AdapterRegistry, tenant: str, name: str, files: list[tuple[str, UploadFile]],
-    version: str,
+    manager: AdapterRegistry, tenant: str, name: str, staging: Path, version: str,
 ) -> tuple[AdapterInfo, dict[str, bytes]]:
-    """Write the files to a staging folder and register it (validated, off the event loop).
+    """Register the staging folder (validated, off the event loop; moved into the store).
     Returns the adapter's info and, with a shared registry's `version`, the files' bytes (to
-    publish). A refused adapter leaves nothing behind."""
-    staging = staging_dir(manager)
+    publish). A refused adapter leaves nothing behind (the caller removes the folder)."""
     try:
-        for filename, upload in files:
-            with (staging / filename).open("wb") as out:
-                await asyncio.to_thread(shutil.copyfileobj, upload.file, out, CHUNK)
-        blobs = {f: (staging / f).read_bytes() for f, _ in files} if version else {}
+        blobs = ({p.name: p.read_bytes() for p in sorted(staging.iterdir())} if version
+                 else {})
         info = await asyncio.to_thread(functools.partial(manager.add, tenant, name, staging,
                                                          move=True, version=version))
     except AdapterExists:  # a concurrent upload of the same name won
         raise exists(name) from None
     except ValueError as e:  # AdapterError: everything wrong with the folder
         raise invalid(name, e) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return info, blobs
 
 
@@ -220,59 +218,24 @@ def adapter_object(info: AdapterInfo, base: str) -> dict[str, object]:
     }
 
 
-async def _read_form(request: Request, limit: int) -> tuple[str, list[tuple[str, UploadFile]]]:
-    """The form's `name` and its `files` parts (safe file names), the body capped at `limit`."""
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+async def _read_form(request: Request, limit: int, staging: Path) -> tuple[str, dict[str, int]]:
+    """The form's `name`, and its `files` parts written into `staging` ({file name: bytes}),
+    the body capped at `limit`."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
         raise bad_request("upload an adapter as multipart/form-data: field 'name' and the "
                           "folder's files as repeated 'files' parts")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large(limit)
-
-    async def capped() -> AsyncGenerator[bytes, None]:
-        # The server's chunks (64 KB and less) gathered to `CHUNK`: the parser writes a file
-        # part past its first MB to disk in a thread, one thread hop per chunk it is given.
-        size, buf = 0, bytearray()
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            buf += chunk
-            if len(buf) >= CHUNK:
-                yield bytes(buf)
-                buf.clear()
-        if buf:
-            yield bytes(buf)
-
-    parser = MultiPartParser(request.headers, capped(), max_files=MAX_FILES, max_fields=4)
-    try:
-        form = await parser.parse()
-    except MultiPartException as e:
-        raise bad_request(f"invalid multipart body: {e.message}") from None
-    name = form.get("name")
-    uploads = [f for f in form.getlist("files") if isinstance(f, UploadFile)]
-    if not isinstance(name, str) or not name:
+    form = StagedForm(staging)
+    await form.read(request.stream(), content_type, limit)
+    if not form.name:
         raise bad_request("missing form field 'name' (the adapter's name)", "name")
-    if not uploads:
+    if not form.sizes:
         raise bad_request("no 'files' parts: upload adapter_config.json and "
                           "adapter_model.safetensors as repeated 'files' parts", "files")
-    files: list[tuple[str, UploadFile]] = []
-    for upload in uploads:
-        filename = upload.filename or ""
-        if not _plain_file_name(filename):
-            raise bad_request(f"bad file name {filename!r}: send plain file names (such as "
-                              "adapter_config.json), without directories", "files")
-        if filename in (f for f, _ in files):
-            raise bad_request(f"file {filename!r} is sent twice", "files")
-        files.append((filename, upload))
-    return name, files
-
-
-def _plain_file_name(name: str) -> bool:
-    """A name that stays inside the staging folder: no directory part, no traversal, no NUL,
-    short enough for any file system."""
-    return (name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
-            and len(name.encode(errors="replace")) <= 255)
+    return form.name, form.sizes
 
 
 def _unknown(name: str) -> APIError:
