@@ -16,6 +16,8 @@ a request's time to first token once the adapter is resident (medians).
         [--clients 16] [--requests 64] [--out benchmarks/results/lora_zipf_http_cpu.md]
     # on a GPU, no other flag: --model synthetic:llama3-8b --adapters 1000 --clients 128 \\
     #     --requests 512 --scale 1
+    # (the 8B's thousand adapters are about 100 GB of files in the server's store; the 1B's,
+    # --model synthetic:llama3-1b, 22.6 GB: benchmarks/results/lora_zipf1000_h200.md)
 """
 
 from __future__ import annotations
