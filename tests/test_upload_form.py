@@ -1,18 +1,22 @@
 """An adapter upload's multipart body parsed as it arrives (gateway/adapters/form.py): the files
 land in the staging folder byte for byte however the body is cut into chunks, and every
-malformed form is a 4xx naming its problem. The HTTP side (status codes, nothing stored) is
-tests/test_hostile_uploads.py's."""
+malformed form is a 4xx naming its problem; staging folders of dead uploads are removed. The
+HTTP side (status codes, nothing stored) is tests/test_hostile_uploads.py's."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from gateway.adapters.form import CHUNK, MAX_FILES, StagedForm
+from gateway.adapters.shared import STALE_STAGING_S, staging_dir
 from gateway.errors import APIError
 
 BOUNDARY = b"b0undary"
@@ -85,3 +89,16 @@ def test_a_malformed_form_is_a_clear_4xx(tmp_path: Path, data: bytes, limit: int
     with pytest.raises(APIError) as e:
         read(tmp_path, data, [7] * (len(data) // 7), limit, content_type)
     assert e.value.status == status and phrase in e.value.message, e.value.message
+
+
+def test_staging_left_by_a_dead_upload_is_removed(tmp_path: Path) -> None:
+    """A staging folder nothing wrote into for an hour (its process died mid-upload) goes when
+    the next upload stages; one written into a minute ago (a slow upload) stays."""
+    root = tmp_path / ".staging"
+    for name, age in (("dead", STALE_STAGING_S + 60), ("slow", 60.0)):
+        (root / name).mkdir(parents=True)
+        (root / name / "adapter_model.safetensors").write_bytes(b"x" * 100)
+        for p in (root / name, root / name / "adapter_model.safetensors"):
+            os.utime(p, (time.time() - age,) * 2)
+    fresh = staging_dir(SimpleNamespace(store_dir=tmp_path))
+    assert sorted(p.name for p in root.iterdir()) == sorted(["slow", fresh.name])

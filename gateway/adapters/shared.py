@@ -15,6 +15,7 @@ import asyncio
 import functools
 import logging
 import shutil
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -142,11 +143,27 @@ class SharedAdapters:
         return manager
 
 
+# A staging folder nothing was written into for this long lost its upload with its process
+# (a live one writes at least every 4 MB at --body-min-rate, every few minutes).
+STALE_STAGING_S = 3600.0
+
+
 def staging_dir(manager: AdapterRegistry) -> Path:
-    """A fresh folder inside the store (same file system, so registering is a rename)."""
+    """A fresh folder inside the store (same file system, so registering is a rename). Stale
+    ones (`STALE_STAGING_S`), left by a process that died mid-upload, are removed first."""
     if manager.store_dir is None:  # the gateway always gives the engine one (--adapter-dir)
         raise RuntimeError("the engine's adapter manager has no store directory")
-    path = manager.store_dir / ".staging" / uuid.uuid4().hex
+    root = manager.store_dir / ".staging"
+    now = time.time()
+    for old in root.iterdir() if root.is_dir() else ():
+        try:
+            written = max(p.stat().st_mtime for p in (old, *old.iterdir()))
+        except OSError:  # removed meanwhile by its own upload
+            continue
+        if now - written > STALE_STAGING_S:
+            log.warning("removing %s: an upload left it %.0f s ago", old, now - written)
+            shutil.rmtree(old, ignore_errors=True)
+    path = root / uuid.uuid4().hex
     path.mkdir(parents=True)
     return path
 
