@@ -243,9 +243,9 @@ class EngineConfig(BaseModel):
         None, ge=0, help="LoRA adapters cached in host memory, at least --max-loras (default: "
         "16 on a CPU; on a GPU as many as --cpu-lora-cache-gb holds)")
     cpu_lora_cache_gb: float | None = setting(
-        None, gt=0, metavar="GB", help="host memory the adapter cache may hold, the validated "
-        "adapters and on a GPU their pinned copies for the device (default: on a GPU a quarter "
-        "of the host memory available at start; on a CPU only --max-cpu-loras bounds it)")
+        None, gt=0, metavar="GB", help="host memory the adapter cache may hold, the adapters "
+        "as the device pools lay them out (pinned on a GPU) (default: on a GPU a quarter of "
+        "the host memory available at start; on a CPU only --max-cpu-loras bounds it)")
     max_lora_rank: int = setting(
         128, ge=1, le=512, metavar="R", help="largest adapter rank served")
     lora_pool_rows: int | None = setting(

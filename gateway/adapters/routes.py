@@ -133,8 +133,7 @@ async def _store(
     Returns the adapter's info and, with a shared registry's `version`, the files' bytes (to
     publish). A refused adapter leaves nothing behind (the caller removes the folder)."""
     try:
-        blobs = ({p.name: p.read_bytes() for p in sorted(staging.iterdir())} if version
-                 else {})
+        blobs = await asyncio.to_thread(_files, staging) if version else {}
         info = await asyncio.to_thread(functools.partial(manager.add, tenant, name, staging,
                                                          move=True, version=version))
     except AdapterExists:  # a concurrent upload of the same name won
@@ -236,6 +235,11 @@ async def _read_form(request: Request, limit: int, staging: Path) -> tuple[str, 
         raise bad_request("no 'files' parts: upload adapter_config.json and "
                           "adapter_model.safetensors as repeated 'files' parts", "files")
     return form.name, form.sizes
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """A folder's files, by name (read in a thread: an adapter's weights are hundreds of MB)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 def _unknown(name: str) -> APIError:
